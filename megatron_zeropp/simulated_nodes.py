@@ -1,0 +1,214 @@
+"""Run a function on W gloo processes on one CPU host, simulating ``nodes x ranks_per_node``.
+
+Tests and CPU benchmarks use this to exercise the multi-node code paths (intra- vs inter-node groups,
+qgZ's two hops, hpZ's node-local gather) without real nodes: the topology is *told* the node size,
+nothing is inferred from the hardware.
+
+Workers are forked from a forkserver that has already imported torch and megatron-core, so a
+process costs tens of milliseconds instead of seconds. A rank that raises makes the whole run fail
+with its traceback; a run that does not finish within ``timeout`` seconds (a hung collective) is
+killed and raises :class:`DistributedTimeout`, so CI never hangs.
+
+Usage::
+
+    def work(ctx, n):                      # module-level, so it can be pickled
+        t = torch.full((n,), float(ctx.rank))
+        torch.distributed.all_reduce(t)
+        return t
+
+    results = run_distributed(work, nodes=2, ranks_per_node=4, args=(3,))
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .topology import Topology, build_topology
+
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state"]
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+class DistributedTimeout(RuntimeError):
+    """The run did not finish in time; usually a collective that some rank never joined."""
+
+
+class DistributedFailure(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker function is told about its place in the simulated cluster."""
+
+    rank: int
+    """Global rank of this process."""
+    world_size: int
+    """Number of processes."""
+    nodes: int
+    """Simulated node count."""
+    ranks_per_node: int
+    """Simulated ranks per node."""
+    store_path: str
+    """FileStore path the process group was initialised from (for re-initialisation)."""
+    scratch_dir: str
+    """A directory shared by all ranks of this run, removed afterwards."""
+
+    @property
+    def node(self) -> int:
+        """Simulated node of this rank."""
+        return self.rank // self.ranks_per_node
+
+    def topology(
+        self, tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1
+    ) -> Topology:
+        """The topology of this run for the given model-parallel sizes."""
+        return build_topology(
+            self.world_size,
+            tensor_parallel,
+            pipeline_parallel,
+            context_parallel,
+            ranks_per_node=self.ranks_per_node,
+        )
+
+
+def _worker(fn, args, kwargs, rank, world, nodes, rpn, store_path, scratch, timeout_s, env, q):
+    try:
+        os.environ.update(env)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import torch
+        import torch.distributed as dist
+
+        # W processes share a few cores: more threads per process only adds contention.
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        ctx = WorkerContext(rank, world, nodes, rpn, store_path, scratch)
+        try:
+            result = fn(ctx, *args, **kwargs)
+        finally:
+            try:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+            except Exception:
+                pass
+        dist.destroy_process_group()
+        q.put((rank, True, result))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    nodes: int = 1,
+    ranks_per_node: int = 2,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Dict[str, Any]] = None,
+    timeout: float = 180.0,
+    collective_timeout: Optional[float] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> List[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``nodes * ranks_per_node`` gloo processes.
+
+    Returns the per-rank results (index = rank). ``timeout`` bounds the whole run;
+    ``collective_timeout`` (default: ``timeout``) is gloo's per-collective timeout, so a rank stuck
+    in a collective raises instead of waiting for the kill. ``env`` is applied in each worker.
+    """
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"nodes and ranks_per_node must be >= 1, got {nodes} x {ranks_per_node}")
+    world = nodes * ranks_per_node
+    ctx = _context()
+    q = ctx.Queue()
+    ctimeout = timeout if collective_timeout is None else collective_timeout
+    with tempfile.TemporaryDirectory(prefix="zeropp-sim-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        scratch = os.path.join(tmp, "scratch")
+        os.makedirs(scratch)
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    fn, tuple(args), dict(kwargs or {}), rank, world, nodes, ranks_per_node,
+                    store_path, scratch, ctimeout, dict(env or {}), q,
+                ),
+                daemon=True,
+            )
+            for rank in range(world)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, q, world, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            q.close()
+
+
+def _collect(procs, q, world, timeout) -> List[Any]:
+    deadline = time.monotonic() + timeout
+    results: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+    failure = None
+    while len(results) < world:
+        remaining = deadline - time.monotonic()
+        if failure is not None:
+            # Give the other ranks a moment to report their own errors, then stop waiting:
+            # they are most likely blocked in a collective the failed rank will never join.
+            remaining = min(remaining, failure[1] + 3.0 - time.monotonic())
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, payload = q.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results]
+            if dead and failure is None:
+                # A rank died without reporting (segfault, OOM kill): don't wait for the timeout.
+                time.sleep(0.5)
+                if q.empty():
+                    codes = {i: procs[i].exitcode for i in dead}
+                    raise DistributedFailure(f"rank(s) exited without a result: {codes}")
+            continue
+        results[rank] = payload
+        if not ok:
+            errors[rank] = payload
+            if failure is None:
+                failure = (rank, time.monotonic())
+    if failure is not None:
+        first = failure[0]
+        others = sorted(set(errors) - {first})
+        raise DistributedFailure(
+            f"rank {first} failed (other failing ranks: {others}):\n{errors[first]}"
+        )
+    if len(results) < world:
+        missing = sorted(set(range(world)) - set(results))
+        raise DistributedTimeout(
+            f"ranks {missing} did not finish within {timeout:.0f}s (hung collective?)"
+        )
+    return [results[r] for r in range(world)]
