@@ -92,6 +92,13 @@ def _worker(fn, args, kwargs, rank, world, nodes, rpn, store_path, scratch, time
     try:
         os.environ.update(env)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import warnings
+
+        # Deprecation chatter from torch/megatron-core, repeated by every rank, buries real errors.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
         import torch
         import torch.distributed as dist
 

@@ -1,0 +1,58 @@
+"""Device and process-group backend: NCCL on CUDA, gloo (plus megatron-core CPU patches) on CPU."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+
+
+def cuda_available() -> bool:
+    """True when this process can use a CUDA device."""
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    """The device model, buffers and batches live on."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def apply_cpu_patches() -> bool:
+    """Patch megatron-core for CPU/gloo when there is no CUDA (see ``patches/``); else no-op.
+
+    Returns True when the patches are in effect.
+    """
+    if cuda_available():
+        return False
+    from megatron_zeropp._patches import mcore_cpu
+
+    return mcore_cpu.apply()
+
+
+def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> str:
+    """Initialise torch.distributed from torchrun's environment; returns the backend used.
+
+    The backend is NCCL when CUDA is available, gloo otherwise (``backend`` overrides). On CUDA the
+    device is ``LOCAL_RANK``; on CPU the megatron-core patches are applied before anything of
+    megatron-core runs.
+    """
+    import torch.distributed as dist
+
+    chosen = backend or ("nccl" if cuda_available() else "gloo")
+    if chosen not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {chosen!r}")
+    if chosen == "nccl" and not cuda_available():
+        raise ValueError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
+    if cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        apply_cpu_patches()
+    if not dist.is_initialized():
+        dist.init_process_group(
+            chosen, timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+    return chosen

@@ -1,0 +1,140 @@
+"""A tiny megatron-core GPT for the distributed CPU tests (imported inside worker processes)."""
+
+from __future__ import annotations
+
+from typing import Iterator, List
+
+import torch
+
+VOCAB = 128
+SEQ = 16
+
+
+def setup_megatron(tp: int, pp: int, seed: int = 1234) -> None:
+    """Patch megatron-core for CPU, build its parallel state and seed its RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_zeropp.backend import apply_cpu_patches
+
+    apply_cpu_patches()
+    parallel_state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def tiny_config(tp: int, pp: int, layers: int = 4, hidden: int = 64, heads: int = 4,
+                dtype: torch.dtype = torch.float32, **overrides):
+    """TransformerConfig for a small GPT; sequence parallel on whenever TP > 1."""
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=tp > 1,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(config, vocab: int = VOCAB, seq: int = SEQ):
+    """This pipeline stage's GPTModel (local layer spec), wrapped in Float16Module for bf16/fp16."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+def global_batches(steps: int, global_batch: int, seed: int = 0, vocab: int = VOCAB,
+                   seq: int = SEQ) -> List[torch.Tensor]:
+    """Deterministic token batches [global_batch, seq + 1], the same on every rank.
+
+    Each row is an arithmetic progression modulo ``vocab`` with a random start and one of four
+    strides: learnable in a few steps, so tests can demand a falling loss.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(seq + 1)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
+        stride = torch.randint(1, 5, (global_batch, 1), generator=g)
+        out.append((start + stride * pos) % vocab)
+    return out
+
+
+def microbatches(batch: torch.Tensor, dp_rank: int, dp_size: int,
+                 micro_batch_size: int) -> Iterator[dict]:
+    """This DP rank's contiguous share of a global batch, as megatron-style micro-batch dicts."""
+    share = batch.shape[0] // dp_size
+    mine = batch[dp_rank * share : (dp_rank + 1) * share]
+    seq = batch.shape[1] - 1
+    for start in range(0, share, micro_batch_size):
+        tokens = mine[start : start + micro_batch_size]
+        yield {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(tokens.shape[0], seq),
+            "position_ids": torch.arange(seq).unsqueeze(0).expand(tokens.shape[0], -1),
+            "attention_mask": None,
+        }
+
+
+def megatron_ddp(model, config, **ddp_overrides):
+    """Megatron-core's own DDP with the distributed optimizer's buffers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_kwargs = dict(use_distributed_optimizer=True)
+    ddp_kwargs.update(ddp_overrides)
+    return DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model)
+
+
+def optimizer_config(**overrides):
+    """Adam through megatron-core's distributed optimizer."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    kwargs = dict(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+                  use_distributed_optimizer=True)
+    kwargs.update(overrides)
+    return OptimizerConfig(**kwargs)
+
+
+def wire_schedule_hooks(config, ddp_model) -> None:
+    """The hooks megatron-core's schedules call (Megatron-LM's training.py sets the same)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+
+
+def groups():
+    """(DP-with-CP group, PP group) from megatron-core's parallel state."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
