@@ -1,0 +1,23 @@
+"""Data-parallel collectives: plain ZeRO-3 baselines and the ZeRO++ protocols (qwZ, hpZ, qgZ).
+
+Every collective is shaped like ``torch.distributed``: ``(output, input, group(s),
+async_op=False, *, stats=None, ...)``, returns ``None`` when sync and a :class:`CommHandle` (with
+``wait()`` and ``is_completed()``) when async, and validates shapes, dtypes and sizes before any
+collective starts. See :mod:`.work` for the ordering rule of async calls and :mod:`.accounting`
+for the byte model.
+"""
+
+from .accounting import CommStats, StepCounts
+from .baseline import zero3_all_gather, zero3_reduce_scatter
+from .hpz import SecondaryPartition, StaleSecondaryError
+from .work import CommHandle
+
+__all__ = [
+    "CommHandle",
+    "CommStats",
+    "SecondaryPartition",
+    "StaleSecondaryError",
+    "StepCounts",
+    "zero3_all_gather",
+    "zero3_reduce_scatter",
+]

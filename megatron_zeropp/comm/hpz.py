@@ -1,0 +1,202 @@
+"""hpZ: a secondary weight partition inside the node, so the backward gather never leaves it.
+
+After the forward all-gather (qwZ) every rank holds the full weights for a moment. hpZ keeps this
+rank's ``1/N`` slice of them (N = hpZ group size, the DP ranks sharing the node) and rebuilds the
+full tensor for the backward pass with an all-gather over the hpZ group only::
+
+    forward:  full = qwz_all_gather(primary shard, DP group)     # crosses nodes, INT8
+              secondary.refresh(full, version)                   # keep slice i of N, no comm
+    backward: secondary.all_gather(full, version)                # intra-node, bit-exact copy
+
+Staleness is the failure mode that matters: a secondary partition left from before an optimizer
+step, a checkpoint load or any other weight change silently trains on old weights. So every
+secondary partition carries the *weight version* it was filled at (an int the caller bumps on
+every weight change, e.g. the optimizer step), and :meth:`SecondaryPartition.all_gather` takes the
+version the caller expects:
+
+* each rank sends its stored version with its slice (8 bytes, in the same collective);
+* after the gather every rank checks all N versions against the expected one and raises
+  :class:`StaleSecondaryError` (before touching ``output``) if any differ or was never filled.
+
+Because the check happens on the gathered versions, every rank of the group raises together; a
+local check before the collective would leave the healthy ranks hanging in it. Shapes and dtypes
+are still validated before the collective.
+
+Slicing: the flattened tensor of ``numel`` elements is split into N slices of
+``ceil(numel / N)`` elements; the last slices are padded with zeros in storage only, and the
+gather writes exactly ``numel`` elements, bit for bit what :meth:`refresh` was given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .accounting import CommStats
+from .common import all_gather_into, check_member, check_tensor
+from .work import CommHandle, run_protocol
+
+ALLGATHER = "hpz_allgather"
+_TAG_BYTES = 8  # int64 weight version appended to every rank's slice
+_NEVER_FILLED = -1
+
+
+class StaleSecondaryError(RuntimeError):
+    """A secondary partition was read at a weight version it was not filled at."""
+
+
+class SecondaryPartition:
+    """This rank's slice of one flattened tensor over an hpZ (intra-node) group.
+
+    Args:
+        group: the hpZ process group (DP ranks on this node, or a divisor-sized subset).
+        numel: elements of the full tensor.
+        dtype: dtype of the full tensor (the compute dtype the backward pass uses).
+        device: where the slice lives; defaults to CPU.
+        stats: optional byte counter.
+    """
+
+    def __init__(
+        self,
+        group,
+        numel: int,
+        dtype: torch.dtype,
+        device: Optional[torch.device] = None,
+        *,
+        stats: Optional[CommStats] = None,
+    ):
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
+            raise ValueError(f"SecondaryPartition numel must be a positive int, got {numel!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"SecondaryPartition dtype must be a torch.dtype, got {dtype!r}")
+        self.group = group
+        self.ranks, self.index = check_member("hpZ group", group)
+        self.size = len(self.ranks)
+        self.numel = numel
+        self.dtype = dtype
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.stats = stats
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.slice_numel = math.ceil(numel / self.size)
+        self._slice_bytes = self.slice_numel * esize
+        # Slice bytes followed by the version tag: one buffer, so the tag travels in the same
+        # collective as the data and cannot drift from it.
+        self._buf = torch.zeros(
+            self._slice_bytes + _TAG_BYTES, dtype=torch.uint8, device=self.device
+        )
+        self._version = _NEVER_FILLED
+        self._write_tag(_NEVER_FILLED)
+        self._inflight: list = []
+
+    @property
+    def version(self) -> Optional[int]:
+        """Weight version the slice was filled at; ``None`` if empty or invalidated."""
+        return None if self._version == _NEVER_FILLED else self._version
+
+    def is_fresh(self, version: int) -> bool:
+        """Whether this rank's slice holds weights of ``version``."""
+        return self._version != _NEVER_FILLED and self._version == version
+
+    @property
+    def slice_range(self):
+        """``(start, stop)`` element range of the full tensor this rank stores (stop exclusive)."""
+        lo = min(self.index * self.slice_numel, self.numel)
+        return lo, min(lo + self.slice_numel, self.numel)
+
+    def refresh(self, full: torch.Tensor, version: int) -> None:
+        """Keep this rank's slice of the gathered ``full`` tensor, tagged with ``version``.
+
+        Local only (no collective). ``full`` must have ``numel`` elements of ``dtype``.
+        """
+        _check_version(version)
+        check_tensor("full", full, dtypes=(self.dtype,), contiguous=False)
+        if full.numel() != self.numel:
+            raise ValueError(
+                f"hpZ refresh: full tensor has {full.numel()} elements, the partition was built "
+                f"for {self.numel}"
+            )
+        if full.device != self.device:
+            raise ValueError(f"hpZ refresh: full is on {full.device}, partition on {self.device}")
+        self._drain()
+        lo, hi = self.slice_range
+        piece = full.reshape(-1)[lo:hi].contiguous().view(torch.uint8)
+        self._buf[: piece.numel()].copy_(piece)
+        self._buf[piece.numel() : self._slice_bytes].zero_()
+        self._version = int(version)
+        self._write_tag(self._version)
+
+    def invalidate(self) -> None:
+        """Mark the slice unusable (after an optimizer step, checkpoint load, weight change)."""
+        self._drain()
+        self._version = _NEVER_FILLED
+        self._write_tag(_NEVER_FILLED)
+
+    def all_gather(
+        self, output: torch.Tensor, version: int, async_op: bool = False
+    ) -> Optional[CommHandle]:
+        """Rebuild the full tensor in ``output`` from the group's slices, intra-node only.
+
+        Raises :class:`StaleSecondaryError` on every rank of the group if any rank's slice is not
+        at ``version`` (the error surfaces from ``wait()`` when async). The output is bit for bit
+        the tensor given to :meth:`refresh`.
+        """
+        _check_version(version)
+        check_tensor("output", output, dtypes=(self.dtype,))
+        if output.numel() != self.numel:
+            raise ValueError(
+                f"hpZ all_gather: output has {output.numel()} elements, the partition was built "
+                f"for {self.numel}"
+            )
+        if output.device != self.device:
+            raise ValueError(
+                f"hpZ all_gather: output on {output.device}, partition on {self.device}"
+            )
+        if self.stats is not None:
+            self.stats.count_call(ALLGATHER)
+            self.stats.record_ring(ALLGATHER, self.ranks, self._slice_bytes, _TAG_BYTES)
+        send = self._buf  # read by the collective when it runs
+
+        def body():
+            recv = torch.empty(self.size, send.numel(), dtype=torch.uint8, device=self.device)
+            all_gather_into(recv, send, self.group)
+            tag_bytes = recv[:, self._slice_bytes :].clone(memory_format=torch.contiguous_format)
+            tags = tag_bytes.view(torch.int64).view(-1).tolist()
+            bad = {self.ranks[i]: (None if t == _NEVER_FILLED else t) for i, t in enumerate(tags)
+                   if t != version}
+            if bad:
+                raise StaleSecondaryError(
+                    f"hpZ secondary partition read at weight version {version}, but rank(s) "
+                    f"hold version(s) {bad} (None = never filled or invalidated); refresh it from "
+                    "a fresh primary gather first"
+                )
+            nbytes = self.numel * output.element_size()
+            output.view(-1).view(torch.uint8).copy_(
+                recv[:, : self._slice_bytes].reshape(-1)[:nbytes]
+            )
+
+        handle = run_protocol(body, async_op, ALLGATHER, self.device)
+        if handle is not None:
+            self._inflight = [h for h in self._inflight if not h.is_completed()] + [handle]
+        return handle
+
+    def _drain(self) -> None:
+        # An async gather reads the buffer when it runs on the comm thread: let pending gathers
+        # finish before the buffer changes under them. Their errors stay with their handles.
+        for handle in self._inflight:
+            try:
+                handle.wait()
+            except Exception:
+                pass
+        self._inflight.clear()
+
+    def _write_tag(self, version: int) -> None:
+        self._buf[self._slice_bytes :].copy_(
+            torch.tensor([version], dtype=torch.int64).view(torch.uint8)
+        )
+
+
+def _check_version(version) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"hpZ weight version must be an int >= 0, got {version!r}")
