@@ -1,8 +1,9 @@
-"""Run a function on W gloo processes on one CPU host, simulating ``nodes x ranks_per_node``.
+"""Run a function on W gloo processes on one CPU host, simulating ``nodes x ranks_per_node``
+nodes.
 
-Tests and CPU benchmarks use this to exercise the multi-node code paths (intra- vs inter-node groups,
-qgZ's two hops, hpZ's node-local gather) without real nodes: the topology is *told* the node size,
-nothing is inferred from the hardware.
+Tests and CPU benchmarks use this to exercise the multi-node code paths (intra- vs inter-node
+groups, qgZ's two hops, hpZ's node-local gather) without real nodes: the topology is *told* the
+node size, nothing is inferred from the hardware.
 
 Workers are forked from a forkserver that has already imported torch and megatron-core, so a
 process costs tens of milliseconds instead of seconds. A rank that raises makes the whole run fail
@@ -24,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -123,7 +125,9 @@ def _worker(fn, args, kwargs, rank, world, nodes, rpn, store_path, scratch, time
             except Exception:
                 pass
         dist.destroy_process_group()
-        q.put((rank, True, result))
+        # Plain pickle copies tensors by value; the queue's own reducer would share them through
+        # file descriptors that die with this process.
+        q.put((rank, True, pickle.dumps(result)))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
 
@@ -200,9 +204,11 @@ def _collect(procs, q, world, timeout) -> List[Any]:
                 time.sleep(0.5)
                 if q.empty():
                     codes = {i: procs[i].exitcode for i in dead}
-                    raise DistributedFailure(f"rank(s) exited without a result: {codes}")
+                    raise DistributedFailure(
+                        f"rank(s) exited without a result: {codes}"
+                    ) from None
             continue
-        results[rank] = payload
+        results[rank] = pickle.loads(payload) if ok else payload
         if not ok:
             errors[rank] = payload
             if failure is None:

@@ -45,7 +45,9 @@ def _close(a, b, rtol=1e-5):
     return all(math.isclose(x, y, rel_tol=rtol) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["TP2xDP2", "PP2xDP2", "TP2xPP2xDP2"])
+@pytest.mark.parametrize(
+    "tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["TP2xDP2", "PP2xDP2", "TP2xPP2xDP2"]
+)
 def test_dp2_matches_dp1(tp, pp):
     dp2 = run_distributed(_train, nodes=1, ranks_per_node=2 * tp * pp, args=(tp, pp, 0))
     dp1 = run_distributed(_train, nodes=1, ranks_per_node=tp * pp, args=(tp, pp, 0))

@@ -1,0 +1,6 @@
+"""The ZeRO-3 layer with qwZ / hpZ / qgZ beneath megatron-core modules."""
+
+from .config import ZeroPPConfig
+from .data_parallel import ZeroPPDataParallel
+
+__all__ = ["ZeroPPConfig", "ZeroPPDataParallel"]

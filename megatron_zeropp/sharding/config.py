@@ -1,0 +1,92 @@
+"""ZeRO++ configuration of the data-parallel layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+_UNITS = ("layer", "chunk")
+
+
+def _is_block_size(value) -> bool:
+    return isinstance(value, int) and 32 <= value <= 4096 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class ZeroPPConfig:
+    """Which ZeRO++ techniques run, and their knobs. All off = plain ZeRO-3.
+
+    Validated on construction, before any collective.
+    """
+
+    qwz: bool = False
+    """Quantize the weight all-gather (block-wise, one fp32 scale per block)."""
+    qwz_bits: int = 8
+    """Bits per weight on the qwZ all-gather (8, or 4)."""
+    qwz_block_size: int = 256
+    """Weights per qwZ scale (a power of two in [32, 4096])."""
+    hpz: bool = False
+    """Keep a secondary weight partition over the DP ranks of each node, so the backward
+    all-gather stays inside the node. Costs ``1/hpz_partition_size`` of the weights per rank."""
+    hpz_partition_size: Optional[int] = None
+    """Ranks one secondary copy is spread over; ``None`` = the DP ranks on this node (from the
+    topology). A smaller value must divide that (more memory, still intra-node)."""
+    qgz: bool = False
+    """Reduce gradients with the quantized 2-hop all-to-all instead of a reduce-scatter."""
+    qgz_intra_bits: int = 4
+    """Bits per gradient on qgZ's intra-node hop (4 or 8)."""
+    qgz_inter_bits: int = 4
+    """Bits per gradient on qgZ's inter-node hop (4 or 8)."""
+    qgz_block_size: int = 128
+    """Gradients per qgZ scale (a power of two in [32, 4096])."""
+    qgz_fraction: float = 1.0
+    """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
+    reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
+    ``set_training_progress``; 1.0 = always."""
+    prefetch_depth: int = 1
+    """Units whose weight gather is issued ahead of the one computing (0 = no prefetch)."""
+    unit: str = "layer"
+    """Gather granularity: ``"layer"`` = one unit per transformer layer plus one per other
+    parameter-owning module (embedding, final norm, output layer); ``"chunk"`` = the whole model
+    chunk is one unit (megatron-core's own buffer layout; useful for exact comparisons)."""
+
+    def __post_init__(self):
+        for name in ("qwz", "hpz", "qgz"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("qwz_bits", "qgz_intra_bits", "qgz_inter_bits"):
+            if getattr(self, name) not in (4, 8):
+                raise ValueError(f"{name} must be 4 or 8, got {getattr(self, name)!r}")
+        for name in ("qwz_block_size", "qgz_block_size"):
+            if not _is_block_size(getattr(self, name)):
+                raise ValueError(
+                    f"{name} must be a power of two in [32, 4096], got {getattr(self, name)!r}"
+                )
+        if self.hpz_partition_size is not None and (
+            not isinstance(self.hpz_partition_size, int) or self.hpz_partition_size < 1
+        ):
+            raise ValueError(
+                "hpz_partition_size must be None or a positive int, got "
+                f"{self.hpz_partition_size!r}"
+            )
+        if not isinstance(self.qgz_fraction, (int, float)) or not 0.0 < self.qgz_fraction <= 1.0:
+            raise ValueError(f"qgz_fraction must be in (0, 1], got {self.qgz_fraction!r}")
+        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
+        if self.unit not in _UNITS:
+            raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
+
+    def describe(self) -> str:
+        """Short human summary for logs."""
+        parts = []
+        if self.qwz:
+            parts.append(f"qwZ INT{self.qwz_bits}/{self.qwz_block_size}")
+        if self.hpz:
+            size = "node" if self.hpz_partition_size is None else self.hpz_partition_size
+            parts.append(f"hpZ({size})")
+        if self.qgz:
+            frac = "" if self.qgz_fraction == 1.0 else f" first {self.qgz_fraction:.0%}"
+            parts.append(
+                f"qgZ INT{self.qgz_intra_bits}/INT{self.qgz_inter_bits}/{self.qgz_block_size}{frac}"
+            )
+        return "ZeRO-3" + (" + " + " + ".join(parts) if parts else "")

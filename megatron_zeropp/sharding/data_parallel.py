@@ -1,0 +1,415 @@
+"""ZeroPPDataParallel: ZeRO-3 with qwZ / hpZ / qgZ, a drop-in for megatron-core's DDP.
+
+Data flow of one unit (≈ one transformer layer) in one training step::
+
+    forward pre-hook    gather full weights from the primary shards over the DP group
+                        (qwZ: INT8 blocks; prefetch the next unit asynchronously)
+                        hpZ: keep this rank's node-local slice of what was gathered
+    forward post-hook   release the full weights; hook the outputs for backward
+    output grad hook    gather again: hpZ secondary inside the node, else as in forward
+                        (prefetch the previous unit)
+    grad accumulation   megatron-core's main_grad; when the unit's last grad arrived,
+                        release the weights; on the last micro-batch the unit's buckets are
+                        reduce-scattered (qgZ: 2-hop INT4 all-to-all) into chunk r of the
+                        grad buffer, where DistributedOptimizer reads it
+    optimizer step      DistributedOptimizer updates its fp32 shard and writes the 16-bit
+                        result into the primary shard (see optimizer/zero3.py);
+                        start_param_sync() then bumps the weight version, which makes every
+                        hpZ secondary stale (reading it raises) until the next forward gather.
+
+The methods megatron-core's schedules, ``finalize_model_grads`` and ``DistributedOptimizer`` call
+(``no_sync``, ``start_grad_sync``, ``finish_grad_sync``, ``start_param_sync``,
+``zero_grad_buffer``, ``scale_gradients``, ``broadcast_params``, ``buffers``, ``bucket_groups``)
+keep their meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+from megatron_zeropp.topology import ProcessGroups, Topology, build_process_groups
+
+from .config import ZeroPPConfig
+from .grad_sync import ZeroPPBucketGroup
+from .partition import CombinedBuffer, build_unit_buffers, find_units
+from .unit import ShardComm, ShardedUnit, UnitState
+
+
+def _tensors(obj) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def _check_ddp_config(ddp_config) -> None:
+    problems = []
+    if not ddp_config.use_distributed_optimizer:
+        problems.append("use_distributed_optimizer must be True (ZeRO shards the optimizer)")
+    if ddp_config.overlap_param_gather:
+        problems.append("overlap_param_gather must be False (the layer gathers weights itself)")
+    if ddp_config.num_distributed_optimizer_instances != 1:
+        problems.append(
+            f"num_distributed_optimizer_instances must be 1, got "
+            f"{ddp_config.num_distributed_optimizer_instances}"
+        )
+    if ddp_config.average_in_collective:
+        problems.append("average_in_collective is not supported (gradients are pre-scaled)")
+    if getattr(ddp_config, "use_megatron_fsdp", False):
+        problems.append("use_megatron_fsdp must be False")
+    if problems:
+        raise ValueError("ZeroPPDataParallel: " + "; ".join(problems))
+
+
+class ZeroPPDataParallel(_BaseDataParallel):
+    """Shard ``module``'s weights over the DP group and gather them just in time.
+
+    Args:
+        config: the model's TransformerConfig.
+        ddp_config: megatron-core DistributedDataParallelConfig (distributed optimizer on,
+            ``overlap_param_gather`` off; ``overlap_grad_reduce`` makes reductions asynchronous).
+        module: the model chunk (e.g. a GPTModel, or Float16Module around it).
+        topology: the job's :class:`Topology` (node size included).
+        zeropp: which ZeRO++ techniques to use (default: plain ZeRO-3).
+        process_groups: this rank's groups; built from ``topology`` when omitted.
+    """
+
+    def __init__(
+        self,
+        config,
+        ddp_config,
+        module: torch.nn.Module,
+        topology: Topology,
+        zeropp: Optional[ZeroPPConfig] = None,
+        process_groups: Optional[ProcessGroups] = None,
+    ):
+        super().__init__(config=config, module=module)
+        _check_ddp_config(ddp_config)
+        zeropp = ZeroPPConfig() if zeropp is None else zeropp
+        if not isinstance(zeropp, ZeroPPConfig):
+            raise ValueError(f"zeropp must be a ZeroPPConfig, got {type(zeropp).__name__}")
+        expert = [n for n, p in module.named_parameters() if not getattr(p, "allreduce", True)]
+        if expert:
+            raise ValueError(f"expert-parallel parameters are not supported: {expert[:3]}")
+        self.ddp_config = ddp_config
+        self.zeropp = zeropp
+        self.topology = topology
+        groups = process_groups or build_process_groups(topology, zeropp.hpz_partition_size)
+        self._check_groups(groups)
+        self.comm = ShardComm(zeropp, groups, topology)
+        self.weight_version = 0
+        self.overlap_param_gather_with_optimizer_step = False
+        self._build_units(config, ddp_config, module, groups)
+        self._hook_handles: list = []
+        self._forward_order: List[ShardedUnit] = []
+        self._order_frozen = False
+        self._call_stack: Dict[int, list] = {}
+        self._install_hooks()
+        self.release_all()
+
+    # -- construction ----------------------------------------------------------------------
+    def _check_groups(self, groups: ProcessGroups) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            mine = dist.get_process_group_ranks(
+                parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
+            if tuple(mine) != tuple(groups.dp_ranks):
+                raise ValueError(
+                    f"topology DP group {groups.dp_ranks} differs from megatron-core's "
+                    f"data-parallel group {tuple(mine)}: build the Topology with the same TP/PP/CP"
+                )
+
+    def _build_units(self, config, ddp_config, module, groups) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgc = ProcessGroupCollection()
+        pgc.tp = parallel_state.get_tensor_model_parallel_group()
+        pgc.dp_cp = groups.dp
+        scale = 1.0 if config.calculate_per_token_loss else 1.0 / len(groups.dp_ranks)
+        names = {p: n for n, p in module.named_parameters()}
+        self.units: List[ShardedUnit] = []
+        for spec in find_units(module, self.zeropp.unit):
+            buffers = build_unit_buffers(spec, ddp_config, groups.dp, scale, names, pgc)
+            self.units.append(ShardedUnit(spec.name, spec.root, buffers, self.comm))
+        self.param_to_unit = {p: u for u in self.units for p in u.params}
+        # One megatron-core-shaped buffer per dtype for the optimizer, units in reverse order
+        # (megatron-core's buffers start from the end of the model too).
+        parts: Dict[tuple, list] = {}
+        for unit in reversed(self.units):
+            i = 0
+            for buf in unit.buffers:
+                shards = unit.shards[i : i + len(buf.buckets)]
+                i += len(buf.buckets)
+                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append((buf, shards))
+        self.buffers = [CombinedBuffer(pd, gd, p) for (pd, gd), p in parts.items()]
+        self.expert_parallel_buffers: list = []
+        self.bucket_groups = [
+            ZeroPPBucketGroup(unit.buckets, ddp_config, self.comm) for unit in reversed(self.units)
+        ]
+        self.expert_parallel_bucket_groups: list = []
+        self.param_to_bucket_group = {
+            p: g for g in self.bucket_groups for p in g.params
+        }
+        self.params_with_grad = [p for u in self.units for p in u.params]
+        for p in self.params_with_grad:
+            p.grad_added_to_main_grad = False
+
+    def _install_hooks(self) -> None:
+        roots = {id(u.root): u for u in self.units}
+        self._root_to_unit = roots
+        for m in self.module.modules():
+            if id(m) in roots:
+                self._hook_handles.append(m.register_forward_pre_hook(self._root_pre_hook))
+                self._hook_handles.append(m.register_forward_hook(self._root_post_hook))
+            else:
+                self._hook_handles.append(
+                    m.register_forward_pre_hook(self._use_pre_hook, with_kwargs=True)
+                )
+                self._hook_handles.append(m.register_forward_hook(self._use_post_hook))
+        self.grad_accs = []
+        for p in self.params_with_grad:
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(self._make_grad_hook(p))
+            self.grad_accs.append(acc)
+
+    # -- gather scheduling -----------------------------------------------------------------
+    def _acquire(self, unit: ShardedUnit, phase: str) -> None:
+        unit.ensure(self.weight_version, phase)
+        unit.users += 1
+
+    def _release_use(self, unit: ShardedUnit) -> None:
+        unit.users -= 1
+        if unit.users == 0 and not unit.in_backward:
+            unit.release()
+
+    def _prefetch(self, unit: ShardedUnit, phase: str) -> None:
+        depth = self.zeropp.prefetch_depth
+        if depth == 0 or not self._order_frozen or unit not in self._forward_order:
+            return
+        i = self._forward_order.index(unit)
+        step = 1 if phase == "forward" else -1
+        for k in range(1, depth + 1):
+            j = i + step * k
+            if not 0 <= j < len(self._forward_order):
+                break
+            nxt = self._forward_order[j]
+            if nxt.state is UnitState.RELEASED:
+                nxt.start_gather(self.weight_version, phase, async_op=True)
+
+    def _root_pre_hook(self, module, args):
+        unit = self._root_to_unit[id(module)]
+        if not self._order_frozen:
+            if unit in self._forward_order:
+                self._order_frozen = True
+            else:
+                self._forward_order.append(unit)
+        self._acquire(unit, "forward")
+        self._prefetch(unit, "forward")
+
+    def _root_post_hook(self, module, args, output):
+        unit = self._root_to_unit[id(module)]
+        self._release_use(unit)
+        if torch.is_grad_enabled():
+            self._gather_before_backward(output, [unit])
+        return None
+
+    def _use_pre_hook(self, module, args, kwargs):
+        # Parameters used outside their unit's forward (a tied output layer reading the
+        # embedding weight) are gathered for this call only.
+        needed = []
+        for p in list(module.parameters(recurse=False)) + [
+            t for t in _tensors((args, kwargs)) if isinstance(t, torch.nn.Parameter)
+        ]:
+            unit = self.param_to_unit.get(p)
+            if unit is not None and unit.users == 0 and unit not in needed:
+                needed.append(unit)
+        for unit in needed:
+            self._acquire(unit, "forward")
+        self._call_stack.setdefault(id(module), []).append(needed)
+        return None
+
+    def _use_post_hook(self, module, args, output):
+        needed = self._call_stack[id(module)].pop()
+        for unit in needed:
+            self._release_use(unit)
+        if needed and torch.is_grad_enabled():
+            self._gather_before_backward(output, needed)
+        return None
+
+    def _gather_before_backward(self, output, units: List[ShardedUnit]) -> None:
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+
+        def hook(grad):
+            for unit in units:
+                self._acquire_for_backward(unit)
+            return None
+
+        for t in tensors:
+            t.register_hook(hook)
+
+    def _acquire_for_backward(self, unit: ShardedUnit) -> None:
+        if unit.in_backward:  # another output of the same call already gathered it
+            unit.wait()
+            return
+        # Prefetched, or still gathered from forward: the same bits either way, reuse them.
+        unit.ensure(self.weight_version, "backward")
+        unit.in_backward = True
+        unit.grads_pending = {p for p in unit.params if p.requires_grad}
+        self._prefetch(unit, "backward")
+
+    def _make_grad_hook(self, param):
+        def hook(*unused):
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+            if self.ddp_config.overlap_grad_reduce:
+                self.param_to_bucket_group[param].register_grad_ready(param, False)
+            unit = self.param_to_unit[param]
+            unit.grads_pending.discard(param)
+            if unit.in_backward and not unit.grads_pending and unit.users == 0:
+                unit.release()
+
+        return hook
+
+    # -- megatron-core DDP interface -------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without reducing them (all but the last micro-batch)."""
+        for group in self.bucket_groups:
+            group.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for group in self.bucket_groups:
+                group.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused):
+        """Launch every unit's gradient reduction."""
+        for group in self.bucket_groups:
+            group.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        """Finish gradient reductions; release any weights still gathered."""
+        for group in self.bucket_groups:
+            group.finish_grad_sync(force_all_reduce=force_all_reduce)
+        self.release_all()
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
+        """The optimizer wrote new primary shards: weights of the next forward are a new
+        version, and every hpZ secondary is stale until refreshed by a forward gather."""
+        self.weights_changed()
+
+    def finish_param_sync(self, *unused, **kwargs):
+        """Nothing to wait for: gathers happen in the forward hooks."""
+
+    def zero_grad_buffer(self):
+        """Zero the gradient buffers before a new step."""
+        for p in self.params_with_grad:
+            p.grad_added_to_main_grad = False
+        for unit in self.units:
+            for buf in unit.buffers:
+                buf.reset()
+        for group in self.bucket_groups:
+            group.reset()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Scale all gradients by ``scaling_factor``."""
+        for unit in self.units:
+            for buf in unit.buffers:
+                buf.scale_gradients(scaling_factor)
+
+    def broadcast_params(self):
+        """Make every DP rank hold DP rank 0's weights (then re-shard)."""
+        src = dist.get_global_rank(self.comm.dp_group, 0)
+        with self.gathered_parameters(write_back=True):
+            for p in self.params_with_grad:
+                dist.broadcast(p.data, src=src, group=self.comm.dp_group)
+
+    # -- whole-model access ----------------------------------------------------------------
+    def release_all(self) -> None:
+        """Wait for in-flight gathers and free every unit's full weights."""
+        for unit in self.units:
+            unit.release()
+
+    def weights_changed(self) -> None:
+        """Declare the primary shards changed: bump the version, drop gathered weights."""
+        self.release_all()
+        self.weight_version += 1
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, write_back: bool = False):
+        """All full weights, exact (never quantized), for the duration of the block.
+
+        With ``write_back=True`` changes made to the parameters inside the block become the new
+        primary shards (and a new weight version).
+        """
+        self.release_all()
+        try:
+            for unit in self.units:
+                unit.start_gather(self.weight_version, "exact", async_op=False)
+                unit.wait()
+                unit.users += 1
+            yield
+            if write_back:
+                for unit in self.units:
+                    unit.write_back()
+        finally:
+            if write_back:
+                self.weights_changed()
+            else:
+                self.release_all()
+
+    def state_dict(self, prefix="", keep_vars=False, destination=None):
+        """Full (gathered, exact) weights, cloned so they outlive the gather."""
+        with self.gathered_parameters():
+            sd = self.module.state_dict(prefix=prefix, keep_vars=False)
+            out = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                   for k, v in sd.items()}
+        if destination is not None:
+            destination.update(out)
+            return destination
+        return out
+
+    def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
+        """Same as :meth:`state_dict` (full weights)."""
+        return self.state_dict(prefix=prefix)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Load full weights; they become the new primary shards (hpZ copies go stale)."""
+        with self.gathered_parameters(write_back=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    def set_training_progress(self, iteration: int, train_iters: int) -> None:
+        """Tell the layer where training is, for the qgZ schedule (``qgz_fraction``)."""
+        cutoff = self.zeropp.qgz_fraction * train_iters
+        self.comm.qgz_active = self.zeropp.qgz and iteration < cutoff
+
+    # -- reporting ------------------------------------------------------------------------
+    def comm_counts(self, reset: bool = True) -> dict:
+        """Bytes sent by this rank per phase (``forward``, ``backward``, ``grad``) since the last
+        reset, as :class:`megatron_zeropp.comm.StepCounts`."""
+        return {
+            phase: (s.step() if reset else s.peek()) for phase, s in self.comm.stats.items()
+        }
+
+    def memory_bytes(self) -> dict:
+        """Persistent bytes of this rank (primary / secondary weights, grads) and what is
+        currently gathered."""
+        out = {"primary": 0, "secondary": 0, "grad": 0, "gathered": 0}
+        for unit in self.units:
+            for k, v in unit.persistent_bytes().items():
+                out[k] += v
+            out["gathered"] += unit.gathered_bytes()
+        return out

@@ -1,0 +1,150 @@
+"""Split a model chunk into gather units and lay their parameters out in megatron-core buffers.
+
+Each unit gets its own megatron-core ``_ParamAndGradBuffer`` per (param dtype, grad dtype), so its
+weights can be freed independently of the others. megatron-core's ``DistributedOptimizer`` wants
+one buffer per dtype per model chunk; :class:`CombinedBuffer` presents the units' buckets as the
+buckets of one buffer (offsets rebased), without copying or moving any storage.
+
+With ``unit="chunk"`` the whole chunk is one unit and the layout is exactly megatron-core's own
+(same parameter order, alignment, padding and shared-embedding bucket).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class UnitSpec:
+    """A unit before its buffers exist: a root module and the parameters it owns."""
+
+    name: str
+    root: torch.nn.Module
+    params: List[torch.nn.Parameter]
+
+
+def _layer_classes() -> Tuple[type, ...]:
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+
+    return (BaseTransformerLayer,)
+
+
+def find_units(module: torch.nn.Module, mode: str) -> List[UnitSpec]:
+    """Units of ``module`` in registration order (which is the forward order for GPT).
+
+    ``"layer"``: every transformer layer is a unit; every other module that directly owns
+    trainable parameters outside a layer is a unit of its own (embeddings, final norm, output
+    layer). ``"chunk"``: one unit holding every trainable parameter.
+    """
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if mode == "chunk":
+        return [UnitSpec("chunk", module, trainable)] if trainable else []
+    layer_types = _layer_classes()
+    units: List[UnitSpec] = []
+    claimed = set()
+    for name, sub in module.named_modules():
+        if any(name.startswith(u.name + ".") for u in units if isinstance(u.root, layer_types)):
+            continue
+        if isinstance(sub, layer_types):
+            params = [p for p in sub.parameters() if p.requires_grad and p not in claimed]
+        else:
+            params = [p for p in sub.parameters(recurse=False)
+                      if p.requires_grad and p not in claimed]
+        if params:
+            claimed.update(params)
+            units.append(UnitSpec(name or "root", sub, params))
+    missing = [p for p in trainable if p not in claimed]
+    if missing:
+        raise ValueError(f"{len(missing)} trainable parameters were assigned to no unit")
+    return units
+
+
+def _names(module: torch.nn.Module) -> Dict[torch.nn.Parameter, str]:
+    return {p: n for n, p in module.named_parameters()}
+
+
+def build_unit_buffers(
+    spec: UnitSpec,
+    ddp_config,
+    dp_group,
+    gradient_scaling_factor: float,
+    param_names: Dict[torch.nn.Parameter, str],
+    pg_collection,
+) -> list:
+    """megatron-core buffers for one unit, one per (param dtype, grad dtype), single bucket each
+    (a shared embedding weight still gets its own bucket, as megatron-core requires)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+    for p in spec.params:
+        grad_dtype = torch.float if ddp_config.grad_reduce_in_fp32 else p.dtype
+        by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
+    buffers = []
+    for (param_dtype, grad_dtype), params in by_dtype.items():
+        buffers.append(
+            _ParamAndGradBuffer(
+                ddp_config, param_dtype, grad_dtype, params, dp_group, None, param_names,
+                gradient_scaling_factor, list(range(len(params))), False, pg_collection,
+            )
+        )
+    return buffers
+
+
+class CombinedBuffer:
+    """The buckets of several units' buffers of one dtype, seen as one megatron-core buffer.
+
+    Exposes what ``DistributedOptimizer`` and ``partition_buckets`` read: dtypes, buckets (with
+    ``offset``/``bucket_id`` rebased), ``param_index_map``, sizes and the DP group. Bucket objects
+    are new megatron-core ``_ParamAndGradBucket``s over the same tensors, tagged with the unit's
+    primary shard so the optimizer hook knows where chunk r of each bucket lives.
+    """
+
+    def __init__(self, param_dtype, grad_dtype, parts: Sequence[Tuple[object, Sequence]]):
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket
+
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        first = parts[0][0]
+        self.ddp_config = first.ddp_config
+        self.data_parallel_group = first.data_parallel_group
+        self.data_parallel_world_size = first.data_parallel_world_size
+        self.gradient_scaling_factor = first.gradient_scaling_factor
+        self.buckets = []
+        self.param_index_map = {}
+        self.param_to_bucket = {}
+        self.bucket_indices = []
+        self.params = []
+        self.param_indices = []
+        offset = 0
+        unpadded = 0
+        for buffer, shards in parts:
+            z = buffer.data_parallel_world_size
+            rank = buffer.data_parallel_group.rank()
+            for bucket, shard in zip(buffer.buckets, shards):
+                combined = _ParamAndGradBucket(
+                    bucket.params_list, bucket.param_data, bucket.grad_data,
+                    offset + bucket.offset, bucket.numel_unpadded,
+                    bucket.gradient_scaling_factor, len(self.buckets),
+                )
+                combined.zeropp_shard = shard
+                combined.zeropp_shard_start = rank * (bucket.grad_data.numel() // z)
+                self.buckets.append(combined)
+                self.bucket_indices.append(
+                    (combined.offset, combined.offset + bucket.grad_data.numel())
+                )
+                for p in bucket.params_list:
+                    self.param_to_bucket[p] = combined
+            for p, (start, end, _) in buffer.param_index_map.items():
+                self.param_index_map[p] = (
+                    offset + start, offset + end,
+                    self.buckets.index(self.param_to_bucket[p]),
+                )
+            self.params.extend(buffer.params)
+            offset += buffer.numel
+            unpadded += buffer.numel_unpadded
+        self.param_indices = list(range(len(self.params)))
+        self.numel = offset
+        self.numel_unpadded = unpadded

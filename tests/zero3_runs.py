@@ -1,0 +1,74 @@
+"""Worker functions shared by the sharding-layer tests (run inside simulated-node processes)."""
+
+from __future__ import annotations
+
+import tiny_gpt as T
+import torch
+
+GLOBAL_BATCH = 8
+MICRO = 2
+
+
+def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=torch.float32):
+    """Model + DP wrapper + optimizer for ``impl`` in {"megatron", "zeropp"}."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_zeropp.optimizer import get_zeropp_optimizer
+    from megatron_zeropp.sharding import ZeroPPConfig, ZeroPPDataParallel
+
+    T.setup_megatron(tp, pp)
+    config = T.tiny_config(tp, pp, dtype=dtype, **(model or {}))
+    module = T.build_model(config)
+    ddp_kwargs = dict(use_distributed_optimizer=True)
+    ddp_kwargs.update(ddp or {})
+    opt_cfg = T.optimizer_config(**(opt or {}))
+    if impl == "megatron":
+        wrapped = T.megatron_ddp(module, config, **ddp_kwargs)
+        optimizer = get_megatron_optimizer(opt_cfg, [wrapped])
+    else:
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        wrapped = ZeroPPDataParallel(
+            config, DistributedDataParallelConfig(**ddp_kwargs), module,
+            ctx.topology(tp, pp), zeropp or ZeroPPConfig(),
+        )
+        optimizer = get_zeropp_optimizer(opt_cfg, [wrapped])
+    T.wire_schedule_hooks(config, wrapped)
+    return config, wrapped, optimizer
+
+
+def full_params(wrapped):
+    """name -> full parameter tensor (cloned), for either implementation."""
+    ctx = getattr(wrapped, "gathered_parameters", None)
+    if ctx is None:
+        return {n: p.detach().clone() for n, p in wrapped.module.named_parameters()}
+    with ctx():
+        return {n: p.detach().clone() for n, p in wrapped.module.named_parameters()}
+
+
+def train(wrapped, optimizer, steps, data_seed=0, micro=MICRO, global_batch=GLOBAL_BATCH,
+          on_step=None):
+    """Run ``steps`` optimizer steps; returns [(loss, grad_norm, skipped)]."""
+    from megatron_zeropp.training.gpt_step import train_step
+
+    dp_group, pp_group = T.groups()
+    dp_rank, dp_size = dp_group.rank(), dp_group.size()
+    out = []
+    for i, batch in enumerate(T.global_batches(steps, global_batch, seed=data_seed)):
+        if hasattr(wrapped, "set_training_progress"):
+            wrapped.set_training_progress(i, steps)
+        it = T.microbatches(batch, dp_rank, dp_size, micro)
+        r = train_step([wrapped], optimizer, it, global_batch // (micro * dp_size), T.SEQ, micro,
+                       dp_group, pp_group)
+        out.append((r.loss, r.grad_norm, r.skipped))
+        if on_step is not None:
+            on_step(i)
+    return out
+
+
+def run_and_collect(ctx, tp, pp, impl, steps=5, zeropp=None, ddp=None, opt=None, model=None,
+                    dtype=torch.float32):
+    """Train and return (per-step results, full params) for comparison across runs."""
+    _, wrapped, optimizer = build(ctx, tp, pp, impl, zeropp, ddp, opt, model, dtype)
+    results = train(wrapped, optimizer, steps)
+    return results, full_params(wrapped)
