@@ -10,14 +10,20 @@ for the byte model.
 from .accounting import CommStats, StepCounts
 from .baseline import zero3_all_gather, zero3_reduce_scatter
 from .hpz import SecondaryPartition, StaleSecondaryError
+from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter
+from .qwz import qwz_all_gather
 from .work import CommHandle
 
 __all__ = [
     "CommHandle",
     "CommStats",
+    "QgzPlan",
     "SecondaryPartition",
     "StaleSecondaryError",
     "StepCounts",
+    "qgz_plan",
+    "qgz_reduce_scatter",
+    "qwz_all_gather",
     "zero3_all_gather",
     "zero3_reduce_scatter",
 ]

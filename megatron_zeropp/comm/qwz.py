@@ -1,0 +1,98 @@
+"""qwZ: the forward weight all-gather with block-quantized weights.
+
+Each rank quantizes its primary shard block-wise (symmetric, one fp32 absmax scale per block of
+``block_size`` elements; INT8 by default), the quantized bytes and scales are all-gathered (one
+collective, packed per rank as ``[data | scales]``), and every rank dequantizes all N shards
+into ``output`` in the output's dtype::
+
+    rank i:  shard_i --quantize--> (q_i, s_i) --all-gather--> (q_0..q_N-1, s_0..s_N-1)
+             output[i * n : (i + 1) * n] = dequantize(q_i, s_i)    for every i
+
+The result equals, bit for bit, the concatenation of ``dequantize(quantize(shard_i))``. Rounding
+is to nearest only (never stochastic), so gathering twice from the same shards gives identical
+bits: the forward and the backward pass (through hpZ) see the same weights. Error never
+accumulates across steps because every step quantizes the full-precision primary shard again.
+
+Blocks never straddle two shards (each rank quantizes its own shard), so a shard size that is
+not a multiple of ``block_size`` just ends in a short block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_zeropp.quant import dequantize_chunks, quantize_chunks, quantized_sizes
+
+from .accounting import CommStats
+from .common import (
+    FLOAT_DTYPES,
+    all_gather_into,
+    check_member,
+    check_quant_args,
+    check_same_device,
+    check_tensor,
+    pack_rows,
+    unpack_rows,
+)
+from .work import CommHandle, run_protocol
+
+ALLGATHER = "qwz_allgather"
+DEFAULT_BITS = 8
+DEFAULT_BLOCK_SIZE = 256
+
+
+def qwz_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+    *,
+    bits: int = DEFAULT_BITS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    stats: Optional[CommStats] = None,
+) -> Optional[CommHandle]:
+    """Quantized all-gather of every rank's ``input`` shard into ``output``.
+
+    Args:
+        output: contiguous, ``group size * input.numel()`` elements, bf16/fp16/fp32; rank ``i``'s
+            shard lands at ``output.view(-1)[i * n : (i + 1) * n]``.
+        input: this rank's shard, bf16/fp16/fp32 (may differ from the output dtype, e.g. an fp32
+            master shard gathered into bf16 compute weights).
+        group: the DP process group.
+        bits: 4 or 8 (quantized width on the wire).
+        block_size: elements per scale.
+        stats: optional byte counter (protocol ``"qwz_allgather"``).
+    """
+    check_tensor("input", input, contiguous=False)
+    check_tensor("output", output, dtypes=FLOAT_DTYPES)
+    check_same_device(output=output, input=input)
+    check_quant_args(bits, block_size)
+    ranks, _ = check_member("group", group)
+    g, n = len(ranks), input.numel()
+    if output.numel() != g * n:
+        raise ValueError(
+            f"qwz_all_gather: output has {output.numel()} elements, expected group size {g} x "
+            f"input numel {n} = {g * n}"
+        )
+    nbytes, nblocks = quantized_sizes(n, bits, block_size)
+    if stats is not None:
+        stats.count_call(ALLGATHER)
+        stats.record_ring(ALLGATHER, ranks, nbytes, 4 * nblocks)
+
+    def body():
+        _gather_quantized(output, input, group, g, bits, block_size, nbytes)
+
+    return run_protocol(body, async_op, ALLGATHER, input.device)
+
+
+def _gather_quantized(output, input, group, g, bits, block_size, nbytes) -> None:
+    n = input.numel()
+    data, scales = quantize_chunks(input.reshape(1, n), bits, block_size)
+    send = pack_rows(data, scales).view(-1)
+    recv = torch.empty(g, send.numel(), dtype=torch.uint8, device=send.device)
+    all_gather_into(recv, send, group)
+    all_data, all_scales = unpack_rows(recv, nbytes, data.dtype)
+    full = dequantize_chunks(all_data, all_scales, bits, block_size, n, output.dtype)
+    output.view(g, n).copy_(full)
