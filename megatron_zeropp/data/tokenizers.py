@@ -1,0 +1,113 @@
+"""Tokenizers by Megatron-LM's ``--tokenizer-type`` name, built from megatron-core's own classes.
+
+megatron-core 0.16.1 ships the tokenizer wrappers Megatron-LM uses (``megatron.core.tokenizers``),
+and they load offline from a local model file, so we build those rather than our own: the objects
+then carry exactly the attributes ``GPTDataset`` and ``MockGPTDataset`` read (``vocab_size``,
+``eod``, ``pad``, ``unique_identifiers``) and hash into the dataset cache the way Megatron-LM's do.
+
+Every returned tokenizer has ``.tokenize(text) -> list[int]``, ``.detokenize(ids) -> str``,
+``.vocab_size`` and ``.eod``.
+
+- ``SentencePieceTokenizer``: ``tokenizer_model`` is a sentencepiece ``.model`` file; ``eod`` is
+  the model's end-of-sentence id.
+- ``NullTokenizer``: ``vocab_size`` ids; text is space-separated integers; ``eod`` is the extra id
+  ``vocab_size`` (so ``.vocab_size`` is one more than asked, as in Megatron-LM).
+- ``HuggingFaceTokenizer``: ``tokenizer_model`` is a local directory or hub name understood by
+  ``transformers.AutoTokenizer``; needs ``transformers``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer")
+"""The ``--tokenizer-type`` values we accept."""
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    **kwargs: Any,
+):
+    """Build a tokenizer the way Megatron-LM's ``--tokenizer-type`` / ``--tokenizer-model`` do.
+
+    Args:
+        tokenizer_type: one of :data:`TOKENIZER_TYPES`.
+        tokenizer_model: model file (SentencePiece) or directory/name (HuggingFace).
+        vocab_size: number of ordinary ids, NullTokenizer only.
+        **kwargs: passed on to megatron-core's library class (e.g. ``use_fast`` for HuggingFace).
+
+    Returns:
+        A ``megatron.core.tokenizers.MegatronTokenizerBase``, usable as
+        ``GPTDatasetConfig.tokenizer``.
+
+    Raises:
+        ValueError: unknown type, missing or superfluous arguments, missing model file.
+        ImportError: ``HuggingFaceTokenizer`` without ``transformers`` installed.
+    """
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(
+            f"tokenizer_type={tokenizer_type!r} is not supported; choose one of {TOKENIZER_TYPES}"
+        )
+    if tokenizer_type == "NullTokenizer":
+        if tokenizer_model is not None:
+            raise ValueError(
+                f"NullTokenizer takes no tokenizer_model (got {tokenizer_model!r}); "
+                "pass vocab_size instead"
+            )
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs vocab_size >= 1, got vocab_size={vocab_size!r}")
+        library, path = "null", None
+        kwargs["vocab_size"] = int(vocab_size)
+    else:
+        if vocab_size is not None:
+            raise ValueError(
+                f"{tokenizer_type} takes its vocabulary from the model; got vocab_size={vocab_size}"
+            )
+        if not tokenizer_model:
+            raise ValueError(f"{tokenizer_type} needs tokenizer_model, got {tokenizer_model!r}")
+        if tokenizer_type == "SentencePieceTokenizer":
+            if not os.path.isfile(tokenizer_model):
+                raise ValueError(
+                    f"SentencePiece model file {tokenizer_model!r} does not exist "
+                    "(train one with tools/train_tokenizer.py)"
+                )
+            library, path = "sentencepiece", tokenizer_model
+        else:
+            if importlib.util.find_spec("transformers") is None:
+                raise ImportError(
+                    "HuggingFaceTokenizer needs the 'transformers' package "
+                    "(pip install transformers); or use SentencePieceTokenizer / NullTokenizer"
+                )
+            library, path = "huggingface", tokenizer_model
+
+    # Imported here: megatron.core pulls in most of megatron-core (seconds), which plain
+    # `import megatron_zeropp.data.tokenizers` (e.g. for TOKENIZER_TYPES in an argument parser)
+    # should not pay.
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=path, metadata_path={"library": library}, **kwargs
+    )
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
+    """Embedding rows for ``vocab_size`` tokens, padded like Megatron-LM.
+
+    Megatron-LM rounds the vocabulary up to a multiple of
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` so each tensor-parallel shard of
+    the embedding and output layer has the same, GEMM-friendly, number of rows.
+    """
+    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tensor_model_parallel_size < 1:
+        raise ValueError(
+            f"need positive values, got vocab_size={vocab_size}, "
+            f"make_vocab_size_divisible_by={make_vocab_size_divisible_by}, "
+            f"tensor_model_parallel_size={tensor_model_parallel_size}"
+        )
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple

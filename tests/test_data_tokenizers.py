@@ -1,0 +1,115 @@
+"""Tokenizers by --tokenizer-type, and SentencePiece training."""
+
+import importlib.util
+import os
+
+import pytest
+
+from megatron_zeropp.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
+from megatron_zeropp.data.tokenizers import build_tokenizer, padded_vocab_size
+
+
+def _topics():
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("tok") / "tok")
+    return train_sentencepiece(_topics(), prefix, TokenizerTrainingConfig(vocab_size=1000))
+
+
+TRICKY = 'def f(x):\n    """Return  x²."""\n\treturn x  # ünïcode 日本 🙂\n\n'
+
+
+def test_sentencepiece_round_trip_is_exact(sp_model):
+    tokenizer = build_tokenizer("SentencePieceTokenizer", sp_model)
+    assert tokenizer.vocab_size == 1000
+    for text in (TRICKY, "The assert statement", "   leading spaces", ""):
+        ids = tokenizer.tokenize(text)
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.detokenize(ids) == text
+    # Whitespace is kept, not normalized away: two spaces and one space differ.
+    assert tokenizer.tokenize("a  b") != tokenizer.tokenize("a b")
+    # eod is SentencePiece's </s>, a control piece that ordinary text never produces.
+    assert tokenizer.eod == 2
+    assert tokenizer.eod not in tokenizer.tokenize(TRICKY + " </s>")
+
+
+def test_training_is_deterministic(sp_model, tmp_path):
+    again = train_sentencepiece(
+        _topics(), str(tmp_path / "again"), TokenizerTrainingConfig(vocab_size=1000)
+    )
+    # The .model file also records the model prefix; the .vocab file holds pieces and scores.
+    def vocab(model):
+        with open(model.removesuffix(".model") + ".vocab", encoding="utf-8") as f:
+            return f.read()
+
+    assert vocab(again) == vocab(sp_model)
+    other = train_sentencepiece(
+        _topics()[:-1], str(tmp_path / "other"), TokenizerTrainingConfig(vocab_size=1000)
+    )
+    assert vocab(other) != vocab(sp_model)  # the comparison above can fail
+
+
+def test_unigram_trains_too(tmp_path):
+    model = train_sentencepiece(
+        _topics()[:10], str(tmp_path / "uni"),
+        TokenizerTrainingConfig(vocab_size=600, model_type="unigram"),
+    )
+    tokenizer = build_tokenizer("SentencePieceTokenizer", model)
+    assert tokenizer.vocab_size == 600
+    assert tokenizer.detokenize(tokenizer.tokenize(TRICKY)) == TRICKY
+
+
+def test_training_errors(tmp_path):
+    with pytest.raises(ValueError, match="model_type must be"):
+        TokenizerTrainingConfig(model_type="wordpiece")
+    with pytest.raises(ValueError, match="vocab_size=100 is too small"):
+        TokenizerTrainingConfig(vocab_size=100)
+    with pytest.raises(ValueError, match="no non-empty text"):
+        train_sentencepiece(["", "  \n\n"], str(tmp_path / "x"), TokenizerTrainingConfig())
+    with pytest.raises(ValueError, match="SentencePiece training failed.*Vocabulary size"):
+        train_sentencepiece(["tiny text"], str(tmp_path / "x"), TokenizerTrainingConfig())
+
+
+def test_null_tokenizer():
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tokenizer.vocab_size == 101  # the EOD id is appended, as in Megatron-LM
+    assert tokenizer.eod == 100
+    assert tokenizer.tokenize("3 1 4") == [3, 1, 4]
+    assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
+
+
+def test_build_errors(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer_type='GPT2BPETokenizer' is not supported"):
+        build_tokenizer("GPT2BPETokenizer", "x")
+    with pytest.raises(ValueError, match="does not exist"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))
+    with pytest.raises(ValueError, match="needs tokenizer_model"):
+        build_tokenizer("SentencePieceTokenizer")
+    with pytest.raises(ValueError, match="NullTokenizer needs vocab_size"):
+        build_tokenizer("NullTokenizer")
+    with pytest.raises(ValueError, match="takes no tokenizer_model"):
+        build_tokenizer("NullTokenizer", "m.model", vocab_size=10)
+    with pytest.raises(ValueError, match="takes its vocabulary from the model"):
+        build_tokenizer("SentencePieceTokenizer", "m.model", vocab_size=10)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is not None, reason="transformers is installed"
+)
+def test_huggingface_without_transformers_says_what_to_install():
+    with pytest.raises(ImportError, match="pip install transformers"):
+        build_tokenizer("HuggingFaceTokenizer", os.getcwd())
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(4096) == 4096
+    assert padded_vocab_size(4097) == 4224
+    assert padded_vocab_size(50257, 128, 2) == 50432
+    assert padded_vocab_size(1, 128, 8) == 1024
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=0"):
+        padded_vocab_size(10, 128, 0)
