@@ -101,6 +101,8 @@ def _worker(fn, args, kwargs, rank, world, nodes, rpn, store_path, scratch, time
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
         warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
         import torch
         import torch.distributed as dist
 

@@ -53,6 +53,8 @@ def train(wrapped, optimizer, steps, data_seed=0, micro=MICRO, global_batch=GLOB
 
     dp_group, pp_group = T.groups()
     dp_rank, dp_size = dp_group.rank(), dp_group.size()
+    if global_batch % (micro * dp_size):
+        raise ValueError(f"global batch {global_batch} not divisible by {micro} x DP {dp_size}")
     out = []
     for i, batch in enumerate(T.global_batches(steps, global_batch, seed=data_seed)):
         if hasattr(wrapped, "set_training_progress"):
