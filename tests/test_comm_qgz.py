@@ -371,3 +371,30 @@ def test_plan_sizes_and_send_order():
         qgz_plan(0, 2, 4)
     with pytest.raises(ValueError, match="bits must be a pair"):
         qgz_plan(10, 2, 4, bits=4)
+
+
+# ---------------------------------------------------------------- in-place buffers
+
+
+def _in_place_worker(ctx):
+    # Megatron's buffers: the reduce-scatter output is this rank's chunk of the gradient buffer
+    # itself, and the weight gather's input is this rank's chunk of the full weight buffer.
+    from megatron_zeropp.comm import qwz_all_gather
+
+    g = build_process_groups(ctx.topology())
+    z, d = len(g.dp_ranks), g.dp_ranks.index(ctx.rank)
+    grad = _input(9, d, z * 300, z, torch.bfloat16)
+    separate = torch.empty(300, dtype=torch.bfloat16)
+    qgz_reduce_scatter(separate, grad.clone(), g.intra_node, g.inter_node, "avg")
+    qgz_reduce_scatter(grad[d * 300 : (d + 1) * 300], grad, g.intra_node, g.inter_node, "avg")
+    weights = torch.zeros(z * 200, dtype=torch.bfloat16)
+    weights[d * 200 : (d + 1) * 200] = _input(10, d, 200, 1, torch.bfloat16)
+    expected = torch.empty_like(weights)
+    qwz_all_gather(expected, weights[d * 200 : (d + 1) * 200].clone(), g.dp)
+    qwz_all_gather(weights, weights[d * 200 : (d + 1) * 200], g.dp, async_op=True).wait()
+    return (torch.equal(grad[d * 300 : (d + 1) * 300], separate), torch.equal(weights, expected))
+
+
+def test_outputs_may_alias_inputs_like_megatron_buffers():
+    for rank, flags in enumerate(run_distributed(_in_place_worker, 2, 2)):
+        assert all(flags), (rank, flags)
