@@ -1,0 +1,149 @@
+"""Block quantization (INT8 / INT4) and qgZ's local steps, with a Triton and a reference backend.
+
+Backend choice, per call: the Triton kernels for CUDA tensors when ``triton`` imports, the pure
+torch reference otherwise. ``ZEROPP_QUANT_BACKEND`` forces one: ``reference``, ``triton`` (also on
+CPU tensors, which needs ``TRITON_INTERPRET=1`` set before triton is first imported) or ``auto``
+(the default). Both backends give bit-identical results for round-to-nearest; stochastic rounding
+always runs on the reference. Importing this package never imports megatron-core.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import qgz_reference as _qgz_ref
+from . import reference as _ref
+from .qgz_reference import qgz_chunk_order
+from .reference import QuantizedTensor, quantized_sizes
+
+try:
+    from . import triton_kernels as _triton
+    _TRITON_IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # CPU-only installs without triton keep the reference backend
+    _triton = None
+    _TRITON_IMPORT_ERROR = exc
+
+BACKEND_ENV = "ZEROPP_QUANT_BACKEND"
+_BACKENDS = ("auto", "reference", "triton")
+
+__all__ = [
+    "BACKEND_ENV",
+    "QuantizedTensor",
+    "backend_for",
+    "dequantize_blockwise",
+    "dequantize_chunks",
+    "dequantize_reduce",
+    "qgz_chunk_order",
+    "quantize_blockwise",
+    "quantize_chunks",
+    "quantized_sizes",
+    "swizzled_quantize",
+    "triton_available",
+]
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels imported."""
+    return _triton is not None
+
+
+def backend_for(device: Union[torch.device, str]) -> str:
+    """``"triton"`` or ``"reference"``: what a call on tensors on ``device`` will use now."""
+    mode = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if mode not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, got {mode!r}")
+    if mode == "reference":
+        return "reference"
+    if mode == "triton":
+        if _triton is None:
+            raise RuntimeError(
+                f"{BACKEND_ENV}=triton but triton could not be imported: {_TRITON_IMPORT_ERROR}"
+            )
+        return "triton"
+    return "triton" if _triton is not None and torch.device(device).type == "cuda" else "reference"
+
+
+def _impl(device):
+    return _triton if backend_for(device) == "triton" else None
+
+
+def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+    """Quantize each row of ``x2d (C, n)`` independently, padded per row to whole blocks.
+
+    Returns ``data (C, nbytes)`` (int8, or uint8 holding two INT4 codes per byte) and fp32
+    ``scales (C, nblocks)``; ``(nbytes, nblocks) = quantized_sizes(n, bits, block_size)``.
+    """
+    impl = _impl(x2d.device)
+    if impl is None:
+        return _ref.quantize_chunks(x2d, bits, block_size)
+    return impl.quantize_chunks(x2d, bits, block_size)
+
+
+def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                      numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_chunks`: ``(C, numel)`` in ``dtype``."""
+    impl = _impl(data.device)
+    if impl is None:
+        return _ref.dequantize_chunks(data, scales, bits, block_size, numel, dtype)
+    return impl.dequantize_chunks(data, scales, bits, block_size, numel, dtype)
+
+
+def quantize_blockwise(x: torch.Tensor, bits: int = 8, block_size: int = 256, *,
+                       stochastic: bool = False,
+                       generator: Optional[torch.Generator] = None) -> QuantizedTensor:
+    """Quantize ``x`` (any shape; bf16, fp16 or fp32) with one fp32 scale per block.
+
+    See :mod:`megatron_zeropp.quant.reference` for the format, the error bound and what happens
+    to zeros, NaN and Inf. ``stochastic=True`` always runs on the reference backend.
+    """
+    impl = _impl(x.device)
+    if impl is None or stochastic:
+        return _ref.quantize_blockwise(x, bits, block_size, stochastic=stochastic,
+                                       generator=generator)
+    _ref.check_bits_and_block_size(bits, block_size)
+    _ref.check_float_dtype(x.dtype, "input")
+    data, scales = impl.quantize_chunks(x.reshape(1, -1), bits, block_size)
+    return QuantizedTensor(data[0], scales[0], bits, block_size, x.numel(), x.dtype, x.shape)
+
+
+def dequantize_blockwise(qt: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Back to a tensor of shape ``qt.shape`` in ``dtype`` (default: the original dtype)."""
+    impl = _impl(qt.data.device)
+    if impl is None:
+        return _ref.dequantize_blockwise(qt, dtype)
+    out = impl.dequantize_chunks(qt.data.view(1, -1), qt.scales.view(1, -1), qt.bits,
+                                 qt.block_size, qt.numel, qt.dtype if dtype is None else dtype)
+    return out.view(qt.shape)
+
+
+def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
+                      block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qgZ's first step: the Z chunks of ``x_flat`` in send order, each quantized as one row.
+
+    Equal to ``quantize_chunks(x_flat.view(Z, -1)[qgz_chunk_order(nodes, ranks_per_node)], ...)``;
+    ``x_flat.numel()`` must be divisible by ``Z = nodes * ranks_per_node``.
+    """
+    impl = _impl(x_flat.device)
+    if impl is None:
+        return _qgz_ref.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size)
+    return impl.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size)
+
+
+def dequantize_reduce(
+    data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
+    out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Sum P pieces ``data (P, C, nbytes)`` / ``scales (P, C, nblocks)`` in fp32, per element.
+
+    With ``out_bits`` the C row sums are requantized (``out_block_size`` defaults to
+    ``block_size``) and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; without,
+    the sums are cast to ``out_dtype`` and returned as ``(C, numel)``.
+    """
+    impl = _impl(data.device)
+    fn = _qgz_ref.dequantize_reduce if impl is None else impl.dequantize_reduce
+    return fn(data, scales, bits, block_size, numel, out_bits, out_block_size, out_dtype)

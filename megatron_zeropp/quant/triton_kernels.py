@@ -1,0 +1,542 @@
+"""Triton kernels for block quantization and qgZ's local steps, bit-identical to the reference.
+
+Every kernel performs the fp32 arithmetic of :mod:`.reference` in the same order (see its
+docstring), so for round-to-nearest the codes, scales and outputs equal the reference's exactly
+(``torch.equal``; NaN positions equal). The things that make that hold:
+
+* one IEEE division per block (``tl.div_rn``; Triton's ``/`` may lower to an approximate division)
+  for the scale and the reciprocal, then plain fp32 multiplies per element;
+* rounding half to even through the fp32 adder: for ``|y| < 2**22``, ``y + 1.5 * 2**23`` rounds
+  ``y`` to an integer in the low mantissa bits, which are then the two's complement code. This is
+  the rounding ``torch.round`` does, without an F2I conversion (a slow instruction on Hopper);
+  codes go back to fp32 the same way (``bits(code + 0x4B400000) - 1.5 * 2**23``, exact);
+* kernels are compiled with ``enable_fp_fusion=False``: a fused multiply-add rounds once where the
+  reference rounds twice (``acc + q * s``, ``y + magic``);
+* NaN-propagating max for the block absmax, and bf16/fp16 loaded as themselves and widened by
+  Triton (bf16 is never reinterpreted as fp16).
+
+Stochastic rounding is not implemented here; :mod:`megatron_zeropp.quant` routes it to the
+reference. Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+
+Each program handles one tile of ``G`` consecutive blocks of one row (rows never share a tile), so
+a block's absmax is a reduction inside the program and nothing crosses programs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from .qgz_reference import check_reduce_input, check_swizzle_input
+from .reference import (
+    QMAX,
+    check_bits_and_block_size,
+    check_codes,
+    check_float_dtype,
+    quantized_sizes,
+)
+
+DEFAULT_TILE = 4096
+"""Elements per program (at least one block): 32 per thread with 4 warps, several 16-byte loads
+in flight per thread."""
+DEFAULT_NUM_WARPS = 4
+
+# Runtime arguments of the INT4 unpacking (see _unpack_words): 0x88888888 as int32, bits of 2**23.
+_FLIP_BITS = -0x77777778
+_MAGIC23_BITS = 0x4B000000
+
+# Row offsets are 64-bit, element offsets inside a row 32-bit: a row must stay below this.
+_MAX_ROW = 2**31 - 2 * 4096
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_NAN = tl.constexpr(float("nan"))
+_TINY = tl.constexpr(2.0**-64)
+_TINY_SCALE = tl.constexpr(2.0**64)
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+_MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of _MAGIC
+_ALL = tl.constexpr(tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _cast_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> output dtype, rounding to nearest even.
+
+    Under ``TRITON_INTERPRET=1`` Triton's own fp32 -> bf16 cast truncates (the compiled cast is
+    the hardware's round-to-nearest-even), so the interpreter gets the rounding spelled out on the
+    bits; the compiled kernels keep the native single-instruction cast.
+    """
+    if INTERPRET and dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_params(absmax, QMAX_F: tl.constexpr):
+    """Per block ``(ok, scale, p, inv)`` exactly as in the reference (one IEEE division each),
+    plus ``plain``: whether every block of the tile is finite with ``p == 1``, the usual case,
+    in which the codes need no select and no multiply by ``p``."""
+    ok = absmax <= _FLT_MAX  # False for Inf and NaN
+    scale = tl.where(ok, tl.div_rn(absmax, QMAX_F), _NAN)
+    tiny = absmax < _TINY
+    p = tl.where(tiny, _TINY_SCALE, 1.0)
+    usable = ok & (absmax > 0.0)
+    denom = tl.where(usable, absmax * p, 1.0)
+    inv = tl.where(usable, tl.div_rn(QMAX_F, denom), 0.0)
+    plain = tl.max((tiny | (absmax != absmax) | (absmax > _FLT_MAX)).to(tl.int32), 0) == 0
+    return ok, scale, p, inv, plain
+
+
+@triton.jit
+def _codes(x, ok, p, inv, plain):
+    """int32 whose low bits are the code of each element of ``x [G, n]`` (rounded half to even).
+
+    The reference clamps ``y`` to [-qmax, qmax] first; that is a no-op here: ``|x| <= absmax`` and
+    ``inv = fl(qmax / (absmax p))`` give ``|y| <= qmax (1 + 2**-23)``, which rounds to at most
+    qmax, so the kernels skip it. In a ``plain`` tile ``(x if ok else 0) * p`` is ``x`` itself.
+    """
+    if plain:
+        y = x * inv[:, None]
+    else:
+        xs = tl.where(ok[:, None], x, 0.0)
+        y = (xs * p[:, None]) * inv[:, None]
+    return (y + _MAGIC).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _nibble(wx, magic_bits, K: tl.constexpr):
+    """Code in nibble K (0..4, bits 4K..4K+3) of words ``wx = w ^ 0x88888888``, as exact fp32.
+
+    Flipping bit 3 of a two's complement nibble gives code + 8 (0..15). OR-ing it into the bits
+    of 2**23 makes the float ``2**23 + (code + 8) * 16**K``; bits above 19 would reach the
+    exponent, hence K <= 4. One fused multiply-add by ``16**-K`` and a constant then yields the
+    code: the product and the result are exact, so its single rounding changes nothing. That is
+    one LOP3 and one FFMA per code, no integer-to-float conversion.
+    """
+    t = (wx & (0xF << (4 * K))) | magic_bits
+    return tl.fma(t.to(tl.float32, bitcast=True), 1.0 / (1 << (4 * K)),
+                  -(8388608.0 / (1 << (4 * K)) + 8.0))
+
+
+@triton.jit
+def _unpack_words(w, flip_bits, magic_bits):
+    """The 8 INT4 codes of int32 words ``w`` as fp32, nibble-major: ``c_k`` is element 8i+k.
+
+    ``flip_bits`` (0x88888888) and ``magic_bits`` (0x4B000000) arrive as kernel arguments, not
+    literals: with literals the compiler folds ``(w ^ flip) & mask | magic`` back into
+    ``(w & mask) ^ (magic | bit)``, two logic instructions per code instead of one.
+    """
+    wx = w ^ flip_bits
+    v = wx >> 12  # nibbles 5..7 move to nibble positions 2..4
+    return (_nibble(wx, magic_bits, 0), _nibble(wx, magic_bits, 1), _nibble(wx, magic_bits, 2),
+            _nibble(wx, magic_bits, 3), _nibble(wx, magic_bits, 4), _nibble(v, magic_bits, 2),
+            _nibble(v, magic_bits, 3), _nibble(v, magic_bits, 4))
+
+
+@triton.jit
+def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Nibble-major ``c_k [G, W]`` -> ``[G, 8 W]`` with ``c_k[g, i]`` at column ``8 i + k``.
+
+    ``tl.join`` adds a new minor dimension, so the most significant bit of k is joined first and
+    the result is indexed ``[g, i, k2, k1, k0]`` with ``k = 4 k2 + 2 k1 + k0``.
+    """
+    d = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(d, (c0.shape[0], c0.shape[1] * 8))
+
+
+@triton.jit
+def _pack_words(c0, c1, c2, c3, c4, c5, c6, c7):
+    """int32 codes (low bits), nibble-major -> int32 words holding 8 two's complement nibbles."""
+    w = (c0 & 0xF) | ((c1 & 0xF) << 4) | ((c2 & 0xF) << 8) | ((c3 & 0xF) << 12)
+    w = w | ((c4 & 0xF) << 16) | ((c5 & 0xF) << 20) | ((c6 & 0xF) << 24) | (c7 << 28)
+    return w
+
+
+@triton.jit
+def _store_scales(scale, row, t, scale_ptr, nblocks_row, G: tl.constexpr, EVEN: tl.constexpr):
+    blocks = t * G + tl.arange(0, G)
+    ptrs = scale_ptr + row.to(tl.int64) * nblocks_row + blocks
+    if EVEN:
+        tl.store(ptrs, scale)
+    else:
+        tl.store(ptrs, scale, mask=blocks < nblocks_row)
+
+
+@triton.jit
+def _store_row_tile(ptr, vals, row, t, row_len, nblocks_row, W: tl.constexpr, G: tl.constexpr,
+                    EVEN: tl.constexpr):
+    """Store ``vals [G, W]``: W items per block, blocks ``t*G ...`` of a row of ``row_len``."""
+    blocks = t * G + tl.arange(0, G)
+    offs = blocks[:, None] * W + tl.arange(0, W)[None, :]
+    ptrs = ptr + row.to(tl.int64) * row_len + offs
+    if EVEN:
+        tl.store(ptrs, vals)
+    else:
+        tl.store(ptrs, vals, mask=(blocks < nblocks_row)[:, None])
+
+
+@triton.jit
+def _load_row_tile(ptr, row, t, row_len, nblocks_row, W: tl.constexpr, G: tl.constexpr,
+                   EVEN: tl.constexpr):
+    """Load ``[G, W]`` items (W per block) of blocks ``t*G ...`` of a row (missing blocks: 0)."""
+    blocks = t * G + tl.arange(0, G)
+    offs = blocks[:, None] * W + tl.arange(0, W)[None, :]
+    ptrs = ptr + row.to(tl.int64) * row_len + offs
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(blocks < nblocks_row)[:, None], other=0)
+
+
+@triton.jit
+def _load_scales(scale_ptr, row, t, nblocks_row, G: tl.constexpr, EVEN: tl.constexpr):
+    blocks = t * G + tl.arange(0, G)
+    ptrs = scale_ptr + row.to(tl.int64) * nblocks_row + blocks
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=blocks < nblocks_row, other=0.0)
+
+
+@triton.jit
+def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS: tl.constexpr,
+                    QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr):
+    """Quantize fp32 ``x [G, BS]`` (blocks of tile t of row) and store codes and scales.
+
+    INT4 codes go out as int32 words (``data_ptr`` is the code buffer viewed as int32).
+    """
+    absmax = tl.reduce(tl.abs(x), 1, _max_nan)
+    ok, scale, p, inv, plain = _block_params(absmax, QMAX_F)
+    _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
+    codes = _codes(x, ok, p, inv, plain)
+    if BITS == 8:
+        # truncation to int8 keeps the low byte: the two's complement code
+        _store_row_tile(data_ptr, codes.to(tl.int8), row, t, nbytes_row, nblocks_row, BS, G,
+                        EVEN)
+    else:
+        c = tl.reshape(codes, (G, BS // 8, 2, 2, 2))  # [g, i, k2, k1, k0], k = 4 k2 + 2 k1 + k0
+        e, o = tl.split(c)  # k0 = 0, 1
+        e0, e1 = tl.split(e)  # k1
+        o0, o1 = tl.split(o)
+        c0, c4 = tl.split(e0)  # k2
+        c2, c6 = tl.split(e1)
+        c1, c5 = tl.split(o0)
+        c3, c7 = tl.split(o1)
+        _store_row_tile(data_ptr, _pack_words(c0, c1, c2, c3, c4, c5, c6, c7), row, t,
+                        nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblocks_row,
+                          tiles_per_row, nodes, ranks_per_node, SWIZZLE: tl.constexpr,
+                          BITS: tl.constexpr, QMAX_F: tl.constexpr, BS: tl.constexpr,
+                          G: tl.constexpr, EVEN: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // tiles_per_row
+    t = pid % tiles_per_row
+    if SWIZZLE:
+        # send position row = j' * K + k' reads chunk k' * N + j' (qgz_reference docstring)
+        src = (row % nodes) * ranks_per_node + row // nodes
+    else:
+        src = row
+    cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
+    ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
+    if EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
+    _quantize_store(x.to(tl.float32), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS,
+                    QMAX_F, BS, G, EVEN)
+
+
+@triton.jit
+def _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS: tl.constexpr,
+                     G: tl.constexpr, EVEN: tl.constexpr):
+    """INT8 codes of a tile as exact fp32 ``[G, BS]`` (via the 1.5 * 2**23 trick, no I2F)."""
+    q = _load_row_tile(data_ptr, row, t, nbytes_row, nblocks_row, BS, G, EVEN)
+    return (q.to(tl.int32) + _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
+
+
+@triton.jit
+def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nblocks_row,
+                            tiles_per_row, flip_bits, magic_bits, BITS: tl.constexpr,
+                            BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                            INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // tiles_per_row
+    t = pid % tiles_per_row
+    s = _load_scales(scale_ptr, row, t, nblocks_row, G, EVEN)[:, None]
+    if BITS == 8:
+        v = _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS, G, EVEN) * s
+    else:
+        w = _load_row_tile(data_ptr, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
+        v = _interleave8(c0 * s, c1 * s, c2 * s, c3 * s, c4 * s, c5 * s, c6 * s, c7 * s)
+    cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
+    ptrs = out_ptr + row.to(tl.int64) * n_cols + cols
+    v = _cast_out(v, out_ptr.dtype.element_ty, INTERPRET)
+    if EVEN:
+        tl.store(ptrs, v)
+    else:
+        tl.store(ptrs, v, mask=cols < n_cols)
+
+
+@triton.jit
+def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
+                   nblocks_out, OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
+                   OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Cast or requantize the fp32 sums ``acc [TILE // B, B]`` (row-major over the tile)."""
+    cols = t * TILE + tl.reshape(tl.arange(0, TILE), acc.shape)
+    if not EVEN:
+        # Input padding (and padding of a NaN-scaled block) must not leak into output blocks.
+        acc = tl.where(cols < n_cols, acc, 0.0)
+    if OUT_BITS == 0:
+        ptrs = out_ptr + row.to(tl.int64) * n_cols + cols
+        v = _cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
+        if EVEN:
+            tl.store(ptrs, v)
+        else:
+            tl.store(ptrs, v, mask=cols < n_cols)
+    else:
+        GO: tl.constexpr = TILE // OUT_BS
+        _quantize_store(tl.reshape(acc, (GO, OUT_BS)), row, t, out_data_ptr, out_scale_ptr,
+                        nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, GO, EVEN)
+
+
+@triton.jit
+def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, out_ptr, rows,
+                              n_cols, nbytes_in, nblocks_in, nbytes_out, nblocks_out,
+                              tiles_per_row, flip_bits, magic_bits, P: tl.constexpr,
+                              IN_BITS: tl.constexpr, IN_BS: tl.constexpr, OUT_BITS: tl.constexpr,
+                              OUT_QMAX_F: tl.constexpr, OUT_BS: tl.constexpr, TILE: tl.constexpr,
+                              EVEN: tl.constexpr, INTERPRET: tl.constexpr,
+                              FUSED: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // tiles_per_row
+    t = pid % tiles_per_row
+    GI: tl.constexpr = TILE // IN_BS
+    if IN_BITS == 8:
+        acc = tl.zeros((GI, IN_BS), tl.float32)
+        # Unrolled so that the P pieces' loads can all be in flight; summed in piece order.
+        for p in tl.static_range(P):
+            s = _load_scales(scale_ptr, p * rows + row, t, nblocks_in, GI, EVEN)
+            q = _dequantize_int8(data_ptr, p * rows + row, t, nbytes_in, nblocks_in, IN_BS, GI,
+                                 EVEN)
+            acc = acc + q * s[:, None]
+        _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
+                       nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN, INTERPRET)
+    else:
+        # INT4: eight nibble-major accumulators, a0[g, i] for element 8i of block g, and so on.
+        W: tl.constexpr = IN_BS // 8
+        a0 = tl.zeros((GI, W), tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        a4 = a0
+        a5 = a0
+        a6 = a0
+        a7 = a0
+        for p in tl.static_range(P):
+            s = _load_scales(scale_ptr, p * rows + row, t, nblocks_in, GI, EVEN)[:, None]
+            w = _load_row_tile(data_ptr, p * rows + row, t, nbytes_in // 4, nblocks_in, W, GI,
+                               EVEN)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
+            if FUSED:
+                a0 = tl.fma(c0, s, a0)
+                a1 = tl.fma(c1, s, a1)
+                a2 = tl.fma(c2, s, a2)
+                a3 = tl.fma(c3, s, a3)
+                a4 = tl.fma(c4, s, a4)
+                a5 = tl.fma(c5, s, a5)
+                a6 = tl.fma(c6, s, a6)
+                a7 = tl.fma(c7, s, a7)
+            else:
+                a0 = a0 + c0 * s
+                a1 = a1 + c1 * s
+                a2 = a2 + c2 * s
+                a3 = a3 + c3 * s
+                a4 = a4 + c4 * s
+                a5 = a5 + c5 * s
+                a6 = a6 + c6 * s
+                a7 = a7 + c7 * s
+        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN:
+            # Requantize without leaving the nibble-major layout.
+            m = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1), propagate_nan=_ALL),
+                                      tl.maximum(tl.abs(a2), tl.abs(a3), propagate_nan=_ALL),
+                                      propagate_nan=_ALL),
+                           tl.maximum(tl.maximum(tl.abs(a4), tl.abs(a5), propagate_nan=_ALL),
+                                      tl.maximum(tl.abs(a6), tl.abs(a7), propagate_nan=_ALL),
+                                      propagate_nan=_ALL),
+                           propagate_nan=_ALL)
+            absmax = tl.reduce(m, 1, _max_nan)
+            ok, scale, pp, inv, plain = _block_params(absmax, OUT_QMAX_F)
+            _store_scales(scale, row, t, out_scale_ptr, nblocks_out, GI, EVEN)
+            words = _pack_words(
+                _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
+                _codes(a2, ok, pp, inv, plain), _codes(a3, ok, pp, inv, plain),
+                _codes(a4, ok, pp, inv, plain), _codes(a5, ok, pp, inv, plain),
+                _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain))
+            _store_row_tile(out_data_ptr, words, row, t, nbytes_out // 4, nblocks_out, W, GI,
+                            EVEN)
+        else:
+            acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
+            _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr,
+                           nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN,
+                           INTERPRET)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tile(block_size: int, tile: Optional[int]) -> int:
+    tile = DEFAULT_TILE if tile is None else tile
+    if tile < 1 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two, got {tile}")
+    return max(tile, block_size)
+
+
+def _check_row_length(n: int) -> None:
+    if n > _MAX_ROW:
+        raise ValueError(f"rows longer than {_MAX_ROW} elements are not supported, got {n}")
+
+
+def _code_dtype(bits: int) -> torch.dtype:
+    return torch.int8 if bits == 8 else torch.uint8
+
+
+def _kernel_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes as the kernels address them: int8 as is, INT4 bytes as int32 words (8 codes each).
+
+    Rows of INT4 codes are whole blocks of >= 32 codes, so a row is a multiple of 16 bytes.
+    """
+    data = data.contiguous()
+    if bits == 8:
+        return data
+    if data.storage_offset() % 4:
+        data = data.clone()  # a word view needs 4-byte alignment; same values, new storage
+    return data.view(torch.int32)
+
+
+def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tile,
+                     num_warps):
+    nbytes, nblocks = quantized_sizes(n, bits, block_size)
+    data = torch.empty(rows, nbytes, dtype=_code_dtype(bits), device=src.device)
+    scales = torch.empty(rows, nblocks, dtype=torch.float32, device=src.device)
+    if rows == 0 or nblocks == 0:
+        return data, scales
+    _check_row_length(n)
+    tile = _tile(block_size, tile)
+    tiles_per_row = -(-n // tile)
+    _quantize_rows_kernel[(rows * tiles_per_row,)](
+        src, _kernel_codes(data, bits), scales, n, nbytes, nblocks, tiles_per_row, nodes,
+        ranks_per_node,
+        SWIZZLE=swizzle, BITS=bits, QMAX_F=float(QMAX[bits]), BS=block_size,
+        G=tile // block_size, EVEN=n % tile == 0,
+        num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+    )
+    return data, scales
+
+
+def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int, *, tile: Optional[int] = None,
+                    num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`.reference.quantize_chunks` (``tile``/``num_warps``: tuning only)."""
+    check_bits_and_block_size(bits, block_size)
+    if x2d.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x2d.shape)}")
+    check_float_dtype(x2d.dtype, "input")
+    rows, n = x2d.shape
+    return _launch_quantize(x2d.contiguous(), rows, n, bits, block_size, 1, 1, False, tile,
+                            num_warps)
+
+
+def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
+                      block_size: int, *, tile: Optional[int] = None,
+                      num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`.qgz_reference.swizzled_quantize`: reorder and quantize in one pass."""
+    check_bits_and_block_size(bits, block_size)
+    chunk = check_swizzle_input(x_flat, nodes, ranks_per_node)
+    return _launch_quantize(x_flat.contiguous(), nodes * ranks_per_node, chunk, bits, block_size,
+                            nodes, ranks_per_node, True, tile, num_warps)
+
+
+def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                      numel: int, dtype: torch.dtype, *, tile: Optional[int] = None,
+                      num_warps: Optional[int] = None) -> torch.Tensor:
+    """Triton :func:`.reference.dequantize_chunks`."""
+    if data.dim() != 2:
+        raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
+    check_codes(data, scales, bits, block_size, numel)
+    check_float_dtype(dtype, "output dtype")
+    rows = data.shape[0]
+    out = torch.empty(rows, numel, dtype=dtype, device=data.device)
+    if rows == 0 or numel == 0:
+        return out
+    _check_row_length(numel)
+    tile = _tile(block_size, tile)
+    tiles_per_row = -(-numel // tile)
+    _dequantize_rows_kernel[(rows * tiles_per_row,)](
+        _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
+        tiles_per_row, _FLIP_BITS, _MAGIC23_BITS, BITS=bits, BS=block_size, G=tile // block_size,
+        EVEN=numel % tile == 0,
+        INTERPRET=_interpreting(), num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+    )
+    return out
+
+
+def dequantize_reduce(
+    data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
+    out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
+    out_dtype: torch.dtype = torch.float32, *, tile: Optional[int] = None,
+    num_warps: Optional[int] = None, _fused: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Triton :func:`.qgz_reference.dequantize_reduce`: one pass, fp32 sums in piece order.
+
+    ``_fused`` (benchmarking only, INT4 inputs): accumulate with fused multiply-adds, which
+    rounds once per piece and so is *not* bit-identical to the reference.
+    """
+    out_block_size = check_reduce_input(data, scales, bits, block_size, numel, out_bits,
+                                        out_block_size, out_dtype)
+    pieces, rows, nbytes_in = data.shape
+    nblocks_in = scales.shape[2]
+    device = data.device
+    if out_bits is None:
+        out = torch.empty(rows, numel, dtype=out_dtype, device=device)
+        out_data, out_scales = out, out  # unused by the kernel
+        nbytes_out = nblocks_out = 0
+    else:
+        nbytes_out, nblocks_out = quantized_sizes(numel, out_bits, out_block_size)
+        out_data = torch.empty(rows, nbytes_out, dtype=_code_dtype(out_bits), device=device)
+        out_scales = torch.empty(rows, nblocks_out, dtype=torch.float32, device=device)
+        out = out_data  # unused by the kernel
+    if rows > 0 and numel > 0:
+        _check_row_length(numel)
+        tile = _tile(max(block_size, out_block_size), tile)
+        tiles_per_row = -(-numel // tile)
+        _dequantize_reduce_kernel[(rows * tiles_per_row,)](
+            _kernel_codes(data, bits), scales.contiguous(),
+            out_data if out_bits is None else _kernel_codes(out_data, out_bits), out_scales, out,
+            rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, tiles_per_row, _FLIP_BITS,
+            _MAGIC23_BITS, P=pieces,
+            IN_BITS=bits, IN_BS=block_size, OUT_BITS=out_bits or 0,
+            OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size, TILE=tile,
+            EVEN=numel % tile == 0, INTERPRET=_interpreting(), FUSED=_fused,
+            num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+        )
+    if out_bits is None:
+        return out
+    return out_data, out_scales
