@@ -196,12 +196,32 @@ def test_config_and_split_validation(corpora, tokenizer):
 def test_a_split_without_documents_is_refused_instead_of_hanging(corpora, tokenizer):
     # 969,30,1 of 40 documents leaves the test range empty: megatron-core would loop forever.
     config = DataConfig(seq_length=SEQ, data_path=(corpora["b"],), split="969,30,1")
-    with pytest.raises(ValueError, match="gives the test split none of the 40 documents"):
+    with pytest.raises(ValueError, match=r"test split of .* is documents \[40, 40\) of 40"):
         build_gpt_datasets(config, tokenizer, (10, 10, 1))
     # The same data with a test weight of 0 builds.
     config = DataConfig(seq_length=SEQ, data_path=(corpora["b"],), split="969,30,0")
     train, valid, test = build_gpt_datasets(config, tokenizer, (10, 10, 1))
     assert test is None and len(valid) >= 10
+
+
+def test_a_split_of_only_empty_documents_is_refused(tmp_path, tokenizer):
+    # tools/preprocess_data.py never writes empty documents; other tools may.
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "holes")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for length in (50, 0, 60, 0, 0):
+        builder.add_document(numpy.arange(length, dtype=numpy.int32) + 1, [length])
+    builder.finalize(prefix + ".idx")
+    # Documents 3 and 4 (the valid split of 60,40) are both empty: megatron-core would hang.
+    config = DataConfig(seq_length=8, data_path=(prefix,), split="60,40", data_cache_path=None)
+    with pytest.raises(ValueError, match=r"valid split .* is documents \[3, 5\) of 5 and holds no"):
+        build_gpt_datasets(config, tokenizer, (10, 2, 0))
+    # Empty documents next to non-empty ones are fine for megatron-core.
+    config = DataConfig(seq_length=8, data_path=(prefix,), split="1")
+    train, _, _ = build_gpt_datasets(config, tokenizer, (10, 0, 0))
+    assert len(train) >= 10
 
 
 def test_cache_with_a_blend_needs_a_process_group(corpora, tokenizer, tmp_path):

@@ -169,59 +169,67 @@ def split_sample_counts(
     )
 
 
-def _check_prefixes(prefixes: Sequence[str]) -> Dict[str, int]:
-    """Sequences per prefix; clear errors for missing files or empty documents up front."""
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _document_ranges(config: DataConfig, num_samples) -> Dict[str, List[Tuple[str, Tuple]]]:
+    """``{prefix: [(split name, (begin, end) fraction of its documents), ...]}`` for every split
+    that will be built, as megatron-core's builder cuts them."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    blend, blend_per_split = config.blends()
+    ranges: Dict[str, List[Tuple[str, Tuple]]] = {}
+    if blend is not None:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
+        for prefix in blend[0]:
+            ranges[prefix] = [
+                (name, matrix[i])
+                for i, name in enumerate(_SPLIT_NAMES)
+                if matrix[i] is not None and num_samples[i] is not None
+            ]
+    for i, split_blend in enumerate(blend_per_split or []):
+        for prefix in split_blend[0] if split_blend else []:
+            if num_samples[i] is not None:
+                ranges.setdefault(prefix, []).append((_SPLIT_NAMES[i], (0.0, 1.0)))
+    return ranges
+
+
+def _check_data(config: DataConfig, num_samples) -> None:
+    """Clear errors, before megatron-core starts, for missing files and for token-less splits.
+
+    megatron-core cuts each prefix's documents into contiguous ranges by ``--split``. A range
+    without tokens (no documents after rounding, or only empty ones) makes the epoch loop in
+    ``GPTDataset._get_num_epochs`` spin forever, even for 0 requested samples.
+    """
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    counts = {}
-    for prefix in prefixes:
+    for prefix, splits in _document_ranges(config, num_samples).items():
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
         if missing:
             raise ValueError(
                 f"data prefix {prefix!r}: missing {missing} (give the prefix without .bin/.idx, "
                 "e.g. out_text_document)"
             )
-        # Keep the dataset referenced while reading: sequence_lengths is a view of its mmap,
-        # which is unmapped when the dataset is collected (reading it then segfaults).
         dataset = IndexedDataset(prefix)
-        lengths = numpy.array(dataset.sequence_lengths)
-        del dataset
-        if len(lengths) == 0 or int(lengths.min()) == 0:
-            # megatron-core's sample-index build never terminates on such data.
-            raise ValueError(
-                f"data prefix {prefix!r} has {len(lengths)} documents, "
-                f"{int((lengths == 0).sum()) if len(lengths) else 0} of them empty; "
-                "re-run tools/preprocess_data.py, which skips empty documents"
-            )
-        counts[prefix] = len(lengths)
-    return counts
-
-
-def _check_split_ranges(split: str, counts: Dict[str, int], num_samples) -> None:
-    """Refuse a split that leaves a requested split of some prefix without documents.
-
-    megatron-core cuts each prefix's documents into contiguous ranges by ``--split``; a range
-    that rounds to zero documents has zero tokens per epoch, and its epoch count loop
-    (``GPTDataset._get_num_epochs``) then never ends, even for 0 requested samples.
-    """
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for index, name in enumerate(("train", "valid", "test")):
-        if matrix[index] is None or num_samples[index] is None:
-            continue
-        for prefix, count in counts.items():
-            begin, end = (int(round(bound * float(count))) for bound in matrix[index])
-            if begin == end:
+        # Read sequence_lengths only while the dataset is referenced: it is a view of an mmap
+        # that is unmapped when the dataset is collected (reading it afterwards segfaults).
+        lengths = dataset.sequence_lengths
+        count = len(lengths)
+        for name, (low, high) in splits:
+            begin, end = int(round(low * count)), int(round(high * count))
+            tokens = int(lengths[begin:end].sum(dtype=numpy.int64))
+            if tokens == 0:
+                del lengths, dataset
                 raise ValueError(
-                    f"split={split!r} gives the {name} split none of the {count} documents of "
-                    f"{prefix!r} ({num_samples[index]} samples requested; megatron-core would "
-                    f"loop forever); give {name} a weight of 0 or more documents, or use "
-                    f"per-split data paths"
+                    f"the {name} split of {prefix!r} is documents [{begin}, {end}) of {count} "
+                    f"and holds no tokens (split={config.split!r}); megatron-core would loop "
+                    f"forever building it. Give {name} a weight of 0, request no {name} "
+                    "samples (None), or use more data"
                 )
+        del lengths, dataset
 
 
 def build_gpt_datasets(
@@ -264,10 +272,7 @@ def build_gpt_datasets(
             f"a weighted blend needs a sample count for every split (0 for unused ones), got "
             f"num_samples={tuple(num_samples)}"
         )
-    prefixes = [prefix for b in blends for prefix in b[0]]
-    counts = _check_prefixes(prefixes)
-    if blend is not None:
-        _check_split_ranges(config.split, counts, num_samples)
+    _check_data(config, num_samples)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed and config.data_cache_path and any(len(b[0]) > 1 for b in blends):
         raise ValueError(

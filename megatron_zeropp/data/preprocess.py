@@ -6,7 +6,8 @@ through megatron-core's ``IndexedDatasetBuilder``, one document per jsonl line, 
 when the vocabulary fits (megatron-core's ``DType.optimal_dtype``), else int32.
 
 Documents that are empty or whitespace-only, or that tokenize to no ids, are skipped and counted:
-a zero-length document would make megatron-core's sample-index build spin forever later.
+they carry nothing to learn, and a ``--split`` range made only of zero-length documents makes
+megatron-core's dataset build spin forever later.
 
 Worker processes tokenize (the expensive part); the parent writes, in input order, so the output
 is byte-identical for any number of workers.
