@@ -131,7 +131,7 @@ def test_weighted_blend_draws_in_proportion(corpora, tokenizer):
     config = DataConfig(
         seq_length=SEQ, data_path=("0.25", corpora["a"], "0.75", corpora["b"]), split="1"
     )
-    with pytest.raises(ValueError, match="weighted blend needs a sample count for every split"):
+    with pytest.raises(ValueError, match="weighted blend needs a sample count for the valid"):
         build_gpt_datasets(config, tokenizer, (400, None, None))
     train, valid, test = build_gpt_datasets(config, tokenizer, (400, 0, 0))
     assert valid is None and test is None
@@ -231,6 +231,16 @@ def test_cache_with_a_blend_needs_a_process_group(corpora, tokenizer, tmp_path):
     )
     with pytest.raises(ValueError, match="needs torch.distributed initialized"):
         build_gpt_datasets(config, tokenizer, (10, 0, 0))
+    # One weighted prefix is a BlendedDataset too; unweighted per-split single prefixes are not.
+    one_weighted = DataConfig(**{**config.__dict__, "data_path": ("1", corpora["a"])})
+    with pytest.raises(ValueError, match="needs torch.distributed initialized"):
+        build_gpt_datasets(one_weighted, tokenizer, (10, 0, 0))
+    per_split = DataConfig(
+        seq_length=SEQ, train_data_path=(corpora["a"],), valid_data_path=(corpora["b"],),
+        data_cache_path=str(tmp_path / "cache"),
+    )
+    train, valid, _ = build_gpt_datasets(per_split, tokenizer, (10, 5, None))
+    assert len(train) >= 10 and len(valid) >= 5
 
 
 def _build_on_ranks(ctx, prefix_a, prefix_b, cache_dir):

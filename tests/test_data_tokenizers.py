@@ -113,3 +113,27 @@ def test_padded_vocab_size():
     assert padded_vocab_size(1, 128, 8) == 1024
     with pytest.raises(ValueError, match="tensor_model_parallel_size=0"):
         padded_vocab_size(10, 128, 0)
+
+
+def test_train_tokenizer_tool_reads_jsonl_keys(tmp_path, capsys):
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "train_tokenizer_tool",
+        os.path.join(os.path.dirname(__file__), "..", "tools", "train_tokenizer.py"),
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"body": t, "other": 1}) + "\n" for t in _topics()[:20])
+    )
+    prefix = str(tmp_path / "cli")
+    argv = ["--input", str(corpus), "--json-keys", "body", "--vocab-size", "700",
+            "--model-prefix", prefix, "--model-type", "bpe"]
+    assert tool.main(argv) == 0
+    tokenizer = build_tokenizer("SentencePieceTokenizer", prefix + ".model")
+    assert tokenizer.vocab_size == 700
+    assert tokenizer.detokenize(tokenizer.tokenize(TRICKY)) == TRICKY
+    assert tool.main(argv[:3] + ["text"] + argv[4:]) == 2  # the key is "body"
+    assert "has no key 'text'" in capsys.readouterr().err

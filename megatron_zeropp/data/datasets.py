@@ -15,10 +15,10 @@ None, in megatron-core's default ``<data prefix>/cache/GPTDataset_indices`` next
   ranks read them. A cache directory inside the run directory keeps runs from sharing (and
   racing on) index files and works with read-only data.
 - Without a process group (tools, tests), single-prefix and mock data work with or without a
-  cache directory. A multi-prefix blend does not work *with* one: on a cache miss megatron-core's
-  ``BlendedDataset`` calls ``torch.distributed.get_rank()``, which raises. We refuse that
-  combination up front with a ValueError; pass ``data_cache_path=None`` there (the blend indices
-  are then built in memory).
+  cache directory. A blend (several prefixes, or weights) does not work *with* one: on a cache
+  miss megatron-core's ``BlendedDataset`` calls ``torch.distributed.get_rank()``, which raises.
+  We refuse that combination up front with a ValueError; pass ``data_cache_path=None`` there (the
+  blend indices are then built in memory).
 """
 
 from __future__ import annotations
@@ -265,20 +265,27 @@ def build_gpt_datasets(
     if len(num_samples) != 3:
         raise ValueError(f"num_samples needs (train, valid, test), got {num_samples}")
     blend, blend_per_split = config.blends()
-    blends = [blend] if blend is not None else [b for b in (blend_per_split or []) if b]
-    if blend is not None and blend[1] is not None and None in num_samples:
-        # megatron-core asserts this for every split, even one the split string leaves empty.
-        raise ValueError(
-            f"a weighted blend needs a sample count for every split (0 for unused ones), got "
-            f"num_samples={tuple(num_samples)}"
-        )
+    # Per split: (blend used, whether megatron-core wraps it in a BlendedDataset).
+    if blend is not None:
+        blended = len(blend[0]) > 1 or blend[1] is not None
+        per_split = [(blend, blended)] * 3
+    else:
+        per_split = [(b, b is not None and len(b[0]) > 1) for b in blend_per_split or [None] * 3]
+    for name, (split_blend, _), samples in zip(_SPLIT_NAMES, per_split, num_samples):
+        if split_blend is not None and split_blend[1] is not None and samples is None:
+            # megatron-core asserts this for every split, even one the split string leaves empty.
+            raise ValueError(
+                f"a weighted blend needs a sample count for the {name} split too (0 if unused), "
+                f"got num_samples={tuple(num_samples)}"
+            )
     _check_data(config, num_samples)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed and config.data_cache_path and any(len(b[0]) > 1 for b in blends):
+    if not distributed and config.data_cache_path and any(b for _, b in per_split):
         raise ValueError(
-            f"data_cache_path={config.data_cache_path!r} with a multi-prefix blend needs "
-            "torch.distributed initialized (megatron-core's BlendedDataset calls get_rank() on a "
-            "cache miss); pass data_cache_path=None to build the blend indices in memory"
+            f"data_cache_path={config.data_cache_path!r} with a blend (several prefixes or "
+            "weights) needs torch.distributed initialized (megatron-core's BlendedDataset calls "
+            "get_rank() on a cache miss); pass data_cache_path=None to build the blend indices "
+            "in memory"
         )
     gpt_config = GPTDatasetConfig(
         random_seed=config.seed,
