@@ -40,10 +40,9 @@ from .reference import (
     quantized_sizes,
 )
 
-DEFAULT_TILE = 4096
-"""Elements per program (at least one block): 32 per thread with 4 warps, several 16-byte loads
-in flight per thread."""
-DEFAULT_NUM_WARPS = 4
+# (elements per program, warps per program) by kernel, from the H200 sweep in
+# docs/benchmarks.md. A program's tile is at least one block.
+_CONFIG = {"quantize": (2048, 2), "dequantize": (2048, 4), "reduce": (2048, 4)}
 
 # Runtime arguments of the INT4 unpacking (see _unpack_words): 0x88888888 as int32, bits of 2**23.
 _FLIP_BITS = -0x77777778
@@ -53,12 +52,16 @@ _MAGIC23_BITS = 0x4B000000
 _MAX_ROW = 2**31 - 2 * 4096
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_NAN = tl.constexpr(float("nan"))
+# NaN as bits: Triton compares global constexprs for changes between launches, and NaN != NaN.
+_NAN_BITS = tl.constexpr(0x7FC00000)
 _TINY = tl.constexpr(2.0**-64)
 _TINY_SCALE = tl.constexpr(2.0**64)
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of _MAGIC
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
+# _pack_words: 8 * 0x11111111 - 0x4B400000 * 0x11111111 (mod 2**32), and 0x88888888.
+_PACK_OFFSET = tl.constexpr(0x49488888)
+_FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
 
 @triton.jit
@@ -84,18 +87,23 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _block_params(absmax, QMAX_F: tl.constexpr):
+def _block_params(absmax, QMAX_F: tl.constexpr, FAST: tl.constexpr):
     """Per block ``(ok, scale, p, inv)`` exactly as in the reference (one IEEE division each),
     plus ``plain``: whether every block of the tile is finite with ``p == 1``, the usual case,
-    in which the codes need no select and no multiply by ``p``."""
+    in which the codes need no select and no multiply by ``p`` (checked only if ``FAST``: the
+    check is a reduction across warps, with barriers)."""
     ok = absmax <= _FLT_MAX  # False for Inf and NaN
-    scale = tl.where(ok, tl.div_rn(absmax, QMAX_F), _NAN)
+    nan = tl.full(absmax.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    scale = tl.where(ok, tl.div_rn(absmax, QMAX_F), nan)
     tiny = absmax < _TINY
     p = tl.where(tiny, _TINY_SCALE, 1.0)
     usable = ok & (absmax > 0.0)
     denom = tl.where(usable, absmax * p, 1.0)
     inv = tl.where(usable, tl.div_rn(QMAX_F, denom), 0.0)
-    plain = tl.max((tiny | (absmax != absmax) | (absmax > _FLT_MAX)).to(tl.int32), 0) == 0
+    if FAST:
+        plain = tl.max((tiny | (absmax != absmax) | (absmax > _FLT_MAX)).to(tl.int32), 0) == 0
+    else:
+        plain = False
     return ok, scale, p, inv, plain
 
 
@@ -159,10 +167,22 @@ def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7):
 
 @triton.jit
 def _pack_words(c0, c1, c2, c3, c4, c5, c6, c7):
-    """int32 codes (low bits), nibble-major -> int32 words holding 8 two's complement nibbles."""
-    w = (c0 & 0xF) | ((c1 & 0xF) << 4) | ((c2 & 0xF) << 8) | ((c3 & 0xF) << 12)
-    w = w | ((c4 & 0xF) << 16) | ((c5 & 0xF) << 20) | ((c6 & 0xF) << 24) | (c7 << 28)
-    return w
+    """Codes from :func:`_codes` (int32 ``0x4B400000 + code``), nibble-major -> int32 words.
+
+    With ``u = code + 8`` (1..15), ``sum_k u_k 16**k`` is the plain concatenation of the nibbles
+    ``u_k``, and XOR 0x88888888 turns each ``u_k`` into the two's complement nibble of its code.
+    Since ``c_k = 0x4B400000 + code_k``, that sum is ``sum_k c_k 16**k`` plus a constant
+    (mod 2**32): one shift-and-add per code instead of a mask, a shift and an OR.
+    """
+    w = c0.to(tl.uint32, bitcast=True) + _PACK_OFFSET
+    w += c1.to(tl.uint32, bitcast=True) << 4
+    w += c2.to(tl.uint32, bitcast=True) << 8
+    w += c3.to(tl.uint32, bitcast=True) << 12
+    w += c4.to(tl.uint32, bitcast=True) << 16
+    w += c5.to(tl.uint32, bitcast=True) << 20
+    w += c6.to(tl.uint32, bitcast=True) << 24
+    w += c7.to(tl.uint32, bitcast=True) << 28
+    return (w ^ _FLIP_BITS_U32).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -213,13 +233,14 @@ def _load_scales(scale_ptr, row, t, nblocks_row, G: tl.constexpr, EVEN: tl.const
 
 @triton.jit
 def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS: tl.constexpr,
-                    QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr):
+                    QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                    FAST: tl.constexpr):
     """Quantize fp32 ``x [G, BS]`` (blocks of tile t of row) and store codes and scales.
 
     INT4 codes go out as int32 words (``data_ptr`` is the code buffer viewed as int32).
     """
     absmax = tl.reduce(tl.abs(x), 1, _max_nan)
-    ok, scale, p, inv, plain = _block_params(absmax, QMAX_F)
+    ok, scale, p, inv, plain = _block_params(absmax, QMAX_F, FAST)
     _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
     codes = _codes(x, ok, p, inv, plain)
     if BITS == 8:
@@ -243,7 +264,7 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
 def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblocks_row,
                           tiles_per_row, nodes, ranks_per_node, SWIZZLE: tl.constexpr,
                           BITS: tl.constexpr, QMAX_F: tl.constexpr, BS: tl.constexpr,
-                          G: tl.constexpr, EVEN: tl.constexpr):
+                          G: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // tiles_per_row
     t = pid % tiles_per_row
@@ -259,7 +280,7 @@ def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblock
     else:
         x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
     _quantize_store(x.to(tl.float32), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS,
-                    QMAX_F, BS, G, EVEN)
+                    QMAX_F, BS, G, EVEN, FAST)
 
 
 @triton.jit
@@ -298,7 +319,7 @@ def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nb
 def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
                    nblocks_out, OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
                    OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, FAST: tl.constexpr):
     """Cast or requantize the fp32 sums ``acc [TILE // B, B]`` (row-major over the tile)."""
     cols = t * TILE + tl.reshape(tl.arange(0, TILE), acc.shape)
     if not EVEN:
@@ -314,7 +335,7 @@ def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nb
     else:
         GO: tl.constexpr = TILE // OUT_BS
         _quantize_store(tl.reshape(acc, (GO, OUT_BS)), row, t, out_data_ptr, out_scale_ptr,
-                        nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, GO, EVEN)
+                        nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, GO, EVEN, FAST)
 
 
 @triton.jit
@@ -324,7 +345,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                               IN_BITS: tl.constexpr, IN_BS: tl.constexpr, OUT_BITS: tl.constexpr,
                               OUT_QMAX_F: tl.constexpr, OUT_BS: tl.constexpr, TILE: tl.constexpr,
                               EVEN: tl.constexpr, INTERPRET: tl.constexpr,
-                              FUSED: tl.constexpr):
+                              FUSED: tl.constexpr, FAST: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // tiles_per_row
     t = pid % tiles_per_row
@@ -338,7 +359,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                                  EVEN)
             acc = acc + q * s[:, None]
         _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
-                       nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN, INTERPRET)
+                       nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN, INTERPRET, FAST)
     else:
         # INT4: eight nibble-major accumulators, a0[g, i] for element 8i of block g, and so on.
         W: tl.constexpr = IN_BS // 8
@@ -383,7 +404,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                                       propagate_nan=_ALL),
                            propagate_nan=_ALL)
             absmax = tl.reduce(m, 1, _max_nan)
-            ok, scale, pp, inv, plain = _block_params(absmax, OUT_QMAX_F)
+            ok, scale, pp, inv, plain = _block_params(absmax, OUT_QMAX_F, FAST)
             _store_scales(scale, row, t, out_scale_ptr, nblocks_out, GI, EVEN)
             words = _pack_words(
                 _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
@@ -396,18 +417,20 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
             _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr,
                            nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN,
-                           INTERPRET)
+                           INTERPRET, FAST)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _tile(block_size: int, tile: Optional[int]) -> int:
-    tile = DEFAULT_TILE if tile is None else tile
+def _config(kind: str, block_size: int, tile: Optional[int],
+            num_warps: Optional[int]) -> Tuple[int, int]:
+    default_tile, default_warps = _CONFIG[kind]
+    tile = default_tile if tile is None else tile
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two, got {tile}")
-    return max(tile, block_size)
+    return max(tile, block_size), default_warps if num_warps is None else num_warps
 
 
 def _check_row_length(n: int) -> None:
@@ -432,51 +455,49 @@ def _kernel_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
     return data.view(torch.int32)
 
 
-def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tile,
-                     num_warps):
+def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tuning):
     nbytes, nblocks = quantized_sizes(n, bits, block_size)
     data = torch.empty(rows, nbytes, dtype=_code_dtype(bits), device=src.device)
     scales = torch.empty(rows, nblocks, dtype=torch.float32, device=src.device)
     if rows == 0 or nblocks == 0:
         return data, scales
     _check_row_length(n)
-    tile = _tile(block_size, tile)
+    tile, num_warps = _config("quantize", block_size, tuning.get("tile"), tuning.get("num_warps"))
     tiles_per_row = -(-n // tile)
     _quantize_rows_kernel[(rows * tiles_per_row,)](
         src, _kernel_codes(data, bits), scales, n, nbytes, nblocks, tiles_per_row, nodes,
-        ranks_per_node,
-        SWIZZLE=swizzle, BITS=bits, QMAX_F=float(QMAX[bits]), BS=block_size,
-        G=tile // block_size, EVEN=n % tile == 0,
-        num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+        ranks_per_node, SWIZZLE=swizzle, BITS=bits, QMAX_F=float(QMAX[bits]), BS=block_size,
+        G=tile // block_size, EVEN=n % tile == 0, FAST=tuning.get("fast", True),
+        num_warps=num_warps, enable_fp_fusion=False,
     )
     return data, scales
 
 
-def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int, *, tile: Optional[int] = None,
-                    num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`.reference.quantize_chunks` (``tile``/``num_warps``: tuning only)."""
+def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
+                    **tuning) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`.reference.quantize_chunks`.
+
+    ``tuning`` (benchmarks only): ``tile`` (elements per program), ``num_warps``, ``fast``.
+    """
     check_bits_and_block_size(bits, block_size)
     if x2d.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x2d.shape)}")
     check_float_dtype(x2d.dtype, "input")
     rows, n = x2d.shape
-    return _launch_quantize(x2d.contiguous(), rows, n, bits, block_size, 1, 1, False, tile,
-                            num_warps)
+    return _launch_quantize(x2d.contiguous(), rows, n, bits, block_size, 1, 1, False, tuning)
 
 
 def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
-                      block_size: int, *, tile: Optional[int] = None,
-                      num_warps: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      block_size: int, **tuning) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`.qgz_reference.swizzled_quantize`: reorder and quantize in one pass."""
     check_bits_and_block_size(bits, block_size)
     chunk = check_swizzle_input(x_flat, nodes, ranks_per_node)
     return _launch_quantize(x_flat.contiguous(), nodes * ranks_per_node, chunk, bits, block_size,
-                            nodes, ranks_per_node, True, tile, num_warps)
+                            nodes, ranks_per_node, True, tuning)
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                      numel: int, dtype: torch.dtype, *, tile: Optional[int] = None,
-                      num_warps: Optional[int] = None) -> torch.Tensor:
+                      numel: int, dtype: torch.dtype, **tuning) -> torch.Tensor:
     """Triton :func:`.reference.dequantize_chunks`."""
     if data.dim() != 2:
         raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
@@ -487,13 +508,14 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     if rows == 0 or numel == 0:
         return out
     _check_row_length(numel)
-    tile = _tile(block_size, tile)
+    tile, num_warps = _config("dequantize", block_size, tuning.get("tile"),
+                              tuning.get("num_warps"))
     tiles_per_row = -(-numel // tile)
     _dequantize_rows_kernel[(rows * tiles_per_row,)](
         _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
         tiles_per_row, _FLIP_BITS, _MAGIC23_BITS, BITS=bits, BS=block_size, G=tile // block_size,
-        EVEN=numel % tile == 0,
-        INTERPRET=_interpreting(), num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+        EVEN=numel % tile == 0, INTERPRET=_interpreting(), num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return out
 
@@ -501,13 +523,12 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
 def dequantize_reduce(
     data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
     out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
-    out_dtype: torch.dtype = torch.float32, *, tile: Optional[int] = None,
-    num_warps: Optional[int] = None, _fused: bool = False,
+    out_dtype: torch.dtype = torch.float32, **tuning,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Triton :func:`.qgz_reference.dequantize_reduce`: one pass, fp32 sums in piece order.
 
-    ``_fused`` (benchmarking only, INT4 inputs): accumulate with fused multiply-adds, which
-    rounds once per piece and so is *not* bit-identical to the reference.
+    ``tuning`` may also hold ``fused=True`` (benchmarks only, INT4 inputs): accumulate with
+    fused multiply-adds, which round once per piece, so *not* bit-identical to the reference.
     """
     out_block_size = check_reduce_input(data, scales, bits, block_size, numel, out_bits,
                                         out_block_size, out_dtype)
@@ -525,17 +546,17 @@ def dequantize_reduce(
         out = out_data  # unused by the kernel
     if rows > 0 and numel > 0:
         _check_row_length(numel)
-        tile = _tile(max(block_size, out_block_size), tile)
+        tile, num_warps = _config("reduce", max(block_size, out_block_size), tuning.get("tile"),
+                                  tuning.get("num_warps"))
         tiles_per_row = -(-numel // tile)
         _dequantize_reduce_kernel[(rows * tiles_per_row,)](
             _kernel_codes(data, bits), scales.contiguous(),
             out_data if out_bits is None else _kernel_codes(out_data, out_bits), out_scales, out,
             rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, tiles_per_row, _FLIP_BITS,
-            _MAGIC23_BITS, P=pieces,
-            IN_BITS=bits, IN_BS=block_size, OUT_BITS=out_bits or 0,
+            _MAGIC23_BITS, P=pieces, IN_BITS=bits, IN_BS=block_size, OUT_BITS=out_bits or 0,
             OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size, TILE=tile,
-            EVEN=numel % tile == 0, INTERPRET=_interpreting(), FUSED=_fused,
-            num_warps=num_warps or DEFAULT_NUM_WARPS, enable_fp_fusion=False,
+            EVEN=numel % tile == 0, INTERPRET=_interpreting(), FUSED=tuning.get("fused", False),
+            FAST=tuning.get("fast", True), num_warps=num_warps, enable_fp_fusion=False,
         )
     if out_bits is None:
         return out
