@@ -1,0 +1,270 @@
+"""Command line of pretrain_gpt.py: Megatron-LM's flag names, plus --zeropp-* for ZeRO++.
+
+Flags are parsed in one place and mapped onto the small config objects the rest of the code takes
+(megatron-core's TransformerConfig / OptimizerConfig / DDP config, our ZeroPPConfig and
+DataConfig). Everything is validated here, before ``init_process_group``: an unknown flag, a
+conflicting pair or sizes that do not divide fail at start with the values named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional
+
+import torch
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 x hidden (8/3 x hidden rounded with --swiglu, as Megatron-LM)")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine", "auto"),
+                   default="auto",
+                   help="layer spec: Transformer Engine when importable on CUDA (auto), else local")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node; default LOCAL_WORLD_SIZE from torchrun. Set it to "
+                        "simulate nodes on one host")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+
+def _batch_and_optimizer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro-batch size x data-parallel size")
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"),
+                   default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g = p.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale; fp16 default is dynamic, bf16 uses 1.0 so that "
+                        "non-finite gradients skip the step")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+
+
+def _run_and_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save) once the iteration is a multiple of this")
+    g.add_argument("--tensorboard-dir", default=None)
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--train-data-path", nargs="+", default=None)
+    g.add_argument("--valid-data-path", nargs="+", default=None)
+    g.add_argument("--test-data-path", nargs="+", default=None)
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--sample-data", metavar="DIR", default=None,
+                   help="build the embedded sample corpus + tokenizer in DIR and train on it")
+    g.add_argument("--tokenizer-type",
+                   choices=("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer"),
+                   default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary")
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration instead of the latest")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+
+
+def _zeropp_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ZeRO++")
+    g.add_argument("--data-parallel-impl", choices=("zeropp", "megatron"), default="zeropp",
+                   help="zeropp: our ZeRO-3 layer (the --zeropp-* flags switch qwZ/hpZ/qgZ); "
+                        "megatron: megatron-core's DDP + distributed optimizer, for comparison")
+    g.add_argument("--zeropp-qwz", action="store_true", help="quantized weight all-gather")
+    g.add_argument("--zeropp-qwz-bits", type=int, choices=(4, 8), default=8)
+    g.add_argument("--zeropp-qwz-block-size", type=int, default=256)
+    g.add_argument("--zeropp-hpz", action="store_true", help="node-local secondary weights")
+    g.add_argument("--zeropp-hpz-partition-size", type=int, default=None)
+    g.add_argument("--zeropp-qgz", action="store_true", help="quantized 2-hop gradient reduction")
+    g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=4)
+    g.add_argument("--zeropp-qgz-inter-bits", type=int, choices=(4, 8), default=4)
+    g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
+    g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
+                   help="use qgZ for the first fraction of --train-iters only")
+    g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
+    g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used by the test that fixes the set of flags)."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
+        description="GPT pretraining on megatron-core with the ZeRO++ data-parallel layer",
+    )
+    _model_args(p)
+    _parallel_args(p)
+    _batch_and_optimizer_args(p)
+    _run_and_data_args(p)
+    _zeropp_args(p)
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None):
+    """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 if unset)."""
+    args = build_parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    try:
+        validate(args, world)
+    except ValueError as e:
+        build_parser().error(str(e))
+    return args
+
+
+def _ffn_default(args) -> int:
+    if args.swiglu:
+        # Megatron-LM: 2/3 of 4h, rounded up to a multiple of 64.
+        return ((int(8 * args.hidden_size / 3) + 63) // 64) * 64
+    return 4 * args.hidden_size
+
+
+def validate(args, world_size: int) -> None:
+    """Fill defaults that depend on other flags and reject impossible combinations."""
+    errors = []
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    if min(tp, pp, cp) < 1 or world_size % (tp * pp * cp):
+        errors.append(f"world size {world_size} is not divisible by TP x PP x CP = "
+                      f"{tp} x {pp} x {cp}")
+    dp = max(world_size // max(tp * pp * cp, 1), 1) * cp
+    if args.bf16 and args.fp16:
+        errors.append("--bf16 and --fp16 are mutually exclusive")
+    if args.sequence_parallel and tp == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.num_layers % pp:
+        errors.append(f"--num-layers {args.num_layers} is not divisible by "
+                      f"--pipeline-model-parallel-size {pp}")
+    if args.hidden_size % args.num_attention_heads:
+        errors.append(f"--hidden-size {args.hidden_size} is not divisible by "
+                      f"--num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % tp:
+        errors.append(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}"
+        )
+    args.ffn_hidden_size = args.ffn_hidden_size or _ffn_default(args)
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        errors.append(f"--seq-length {args.seq_length} > --max-position-embeddings "
+                      f"{args.max_position_embeddings}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        errors.append(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                      f"--micro-batch-size x DP = {args.micro_batch_size} x {dp}")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    sources = [args.mock_data, args.data_path is not None, args.sample_data is not None,
+               any(x is not None for x in (args.train_data_path, args.valid_data_path))]
+    if sum(bool(s) for s in sources) != 1:
+        errors.append("give exactly one data source: --data-path, --train/valid-data-path, "
+                      "--mock-data or --sample-data")
+    if args.sample_data is None and args.tokenizer_type is None:
+        errors.append("--tokenizer-type is required (or use --sample-data)")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and \
+            args.tokenizer_model is None:
+        errors.append(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    zeropp_flags = [f for f in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz") if getattr(args, f)]
+    if args.data_parallel_impl == "megatron" and zeropp_flags:
+        errors.append(f"--data-parallel-impl megatron conflicts with "
+                      f"{', '.join('--' + f.replace('_', '-') for f in zeropp_flags)}")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or
+                                            world_size % args.ranks_per_node):
+        errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "
+                      f"{world_size}")
+    if args.save_interval is not None and args.save is None:
+        errors.append("--save-interval needs --save")
+    for name in ("train_iters", "log_interval", "eval_interval", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    # Build the dataclasses now so their own validation also runs before any collective.
+    zeropp_config(args)
+
+
+def zeropp_config(args):
+    """ZeroPPConfig from the --zeropp-* flags."""
+    from megatron_zeropp.sharding.config import ZeroPPConfig
+
+    return ZeroPPConfig(
+        qwz=args.zeropp_qwz, qwz_bits=args.zeropp_qwz_bits,
+        qwz_block_size=args.zeropp_qwz_block_size,
+        hpz=args.zeropp_hpz, hpz_partition_size=args.zeropp_hpz_partition_size,
+        qgz=args.zeropp_qgz, qgz_intra_bits=args.zeropp_qgz_intra_bits,
+        qgz_inter_bits=args.zeropp_qgz_inter_bits, qgz_block_size=args.zeropp_qgz_block_size,
+        qgz_fraction=args.zeropp_qgz_fraction, prefetch_depth=args.zeropp_prefetch_depth,
+        unit=args.zeropp_unit,
+    )
+
+
+def params_dtype(args) -> torch.dtype:
+    """Dtype of the model weights the layer shards."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def print_args(args, write=print) -> None:
+    """Print every argument once, Megatron-LM style."""
+    write("------------------------ arguments ------------------------")
+    for key in sorted(vars(args)):
+        dots = "." * (48 - len(key))
+        write(f"  {key} {dots} {getattr(args, key)}")
+    write("-------------------- end of arguments ---------------------")

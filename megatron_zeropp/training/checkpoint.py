@@ -1,0 +1,259 @@
+"""Sharded, atomic, reshardable checkpoints in Megatron-LM's directory layout.
+
+Layout (what Megatron-LM users' job scripts expect)::
+
+    SAVE/latest_checkpointed_iteration.txt        "100"
+    SAVE/iter_0000100/mp_rank_TT_PPP_dp_DDD.pt    one file per rank
+
+Each rank writes only what it owns: for every parameter, the element range ``[start, end)`` of the
+flattened parameter that its DistributedOptimizer shard holds, with the fp32 main weights and the
+Adam moments, plus the LR scheduler, loss scaler, RNG states and data position. The 16-bit weights
+are the fp32 main weights rounded, so they are not stored twice.
+
+Atomicity: ranks write into ``iter_XXXXXXX.tmp``; once every rank is done, rank 0 renames the
+directory and only then rewrites ``latest_checkpointed_iteration.txt`` (write + rename). A save
+killed at any point leaves the previous checkpoint and the ``latest`` file intact.
+
+Resharding: a checkpoint written with another data-parallel size or node layout (same TP and PP)
+is loaded by assembling each parameter from all DP ranks' ranges and slicing this rank's new range.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+FORMAT_VERSION = 1
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    """Megatron-LM's directory name for an iteration."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank_file(tp: int, pp: int, dp: int) -> str:
+    return f"mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt"
+
+
+def _layout() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
+    }
+
+
+def _distributed_optimizers(optimizer) -> List:
+    inner = getattr(optimizer, "chained_optimizers", None)
+    return list(inner) if inner is not None else [optimizer]
+
+
+def _param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
+    names = {}
+    for c, chunk in enumerate(model_chunks):
+        for name, p in chunk.module.named_parameters():
+            names[p] = f"chunk{c}.{name}"
+    return names
+
+
+def _owned(optimizer, model_chunks):
+    """(name, model param, fp32 main shard, element range) for everything this rank owns."""
+    names = _param_names(model_chunks)
+    for opt in _distributed_optimizers(optimizer):
+        for mains, models in (
+            (opt.shard_fp32_from_float16_groups, opt.model_float16_groups),
+            (opt.shard_fp32_groups, opt.model_fp32_groups),
+        ):
+            for main_group, model_group in zip(mains, models):
+                for main, p in zip(main_group, model_group):
+                    r = opt._get_model_param_range_map(p)["param"]
+                    yield opt, names[p], p, main, (r.start, r.end)
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"cpu": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra) -> dict:
+    params = {}
+    for opt, name, p, main, (start, end) in _owned(optimizer, model_chunks):
+        adam = opt.optimizer.state.get(main, {})
+        params[name] = {
+            "shape": tuple(p.shape), "start": start, "end": end,
+            "main": main.detach().cpu().clone(),
+            **{k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+               for k, v in adam.items()},
+        }
+    scalers = [opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None
+               for opt in _distributed_optimizers(optimizer)]
+    return {
+        "format": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "layout": _layout(),
+        "params": params,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "grad_scalers": scalers,
+        "rng": _rng_state(),
+        "extra": extra or {},
+    }
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
+                    scheduler=None, extra: Optional[dict] = None) -> str:
+    """Write this iteration's checkpoint collectively (every rank calls); returns its directory."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+        os.makedirs(tmp)
+    dist.barrier()
+    lay = _layout()
+    state = _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra)
+    path = os.path.join(tmp, _rank_file(lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]))
+    torch.save(state, path + ".part")
+    os.replace(path + ".part", path)
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest = os.path.join(root, LATEST)
+        with open(latest + ".tmp", "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest + ".tmp", latest)
+    dist.barrier()
+    return final
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration ``latest_checkpointed_iteration.txt`` names, or None if there is none."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def _read_states(directory: str, lay: dict) -> List[dict]:
+    own = os.path.join(directory, _rank_file(lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]))
+    if os.path.exists(own):
+        state = torch.load(own, weights_only=False)
+        saved = state["layout"]
+        if all(saved[k] == lay[k] for k in ("tp", "pp", "dp")):
+            return [state]  # same layout: this rank's file has exactly its ranges
+    pattern = os.path.join(directory, f"mp_rank_{lay['tp_rank']:02d}_{lay['pp_rank']:03d}_dp_*.pt")
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise ValueError(f"no checkpoint files for TP rank {lay['tp_rank']} PP rank "
+                         f"{lay['pp_rank']} in {directory}")
+    states = [torch.load(f, weights_only=False) for f in files]
+    saved = states[0]["layout"]
+    if (saved["tp"], saved["pp"]) != (lay["tp"], lay["pp"]):
+        raise ValueError(f"checkpoint has TP={saved['tp']} PP={saved['pp']}, this run TP="
+                         f"{lay['tp']} PP={lay['pp']}: only the data-parallel layout can change")
+    if len(states) != saved["dp"]:
+        raise ValueError(
+            f"checkpoint {directory} has {len(states)} DP files, expected {saved['dp']}"
+        )
+    return states
+
+
+def _assemble(states: List[dict], name: str, key: str, numel: int) -> torch.Tensor:
+    """The full flattened tensor ``key`` of parameter ``name`` from every DP rank's range."""
+    full = None
+    covered = 0
+    for state in states:
+        entry = state["params"].get(name)
+        if entry is None or key not in entry:
+            continue
+        piece = entry[key]
+        if full is None:
+            full = torch.zeros(numel, dtype=piece.dtype)
+        full[entry["start"] : entry["end"]] = piece.view(-1)
+        covered += entry["end"] - entry["start"]
+    if full is not None and covered != numel:
+        raise ValueError(f"checkpoint covers {covered} of {numel} elements of {name}.{key}")
+    return full
+
+
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
+                    iteration: Optional[int] = None, load_optim: bool = True,
+                    load_rng: bool = True) -> Tuple[int, int]:
+    """Load a checkpoint (every rank calls); returns ``(iteration, consumed_samples)``."""
+    it = latest_iteration(root) if iteration is None else iteration
+    if it is None:
+        raise ValueError(f"no {LATEST} in {root}: nothing to load")
+    directory = iteration_dir(root, it)
+    if not os.path.isdir(directory):
+        raise ValueError(f"checkpoint directory {directory} does not exist")
+    lay = _layout()
+    states = _read_states(directory, lay)
+    single = len(states) == 1 and states[0]["layout"]["dp"] == lay["dp"]
+    for opt, name, p, main, (start, end) in _owned(optimizer, model_chunks):
+        keys = ("main", "exp_avg", "exp_avg_sq") if load_optim else ("main",)
+        values = {}
+        for key in keys:
+            if single:
+                entry = states[0]["params"].get(name)
+                if entry is None or (entry["start"], entry["end"]) != (start, end):
+                    raise ValueError(f"checkpoint range of {name} differs from this rank's")
+                values[key] = entry.get(key)
+            else:
+                full = _assemble(states, name, key, p.numel())
+                values[key] = None if full is None else full[start:end]
+        main.data.copy_(values["main"].view_as(main).to(main.device))
+        if load_optim and values["exp_avg"] is not None:
+            step = next(s["params"][name]["step"] for s in states if name in s["params"])
+            opt.optimizer.state[main] = {
+                "step": step.clone() if torch.is_tensor(step) else step,
+                "exp_avg": values["exp_avg"].view_as(main).to(main.device).clone(),
+                "exp_avg_sq": values["exp_avg_sq"].view_as(main).to(main.device).clone(),
+            }
+    for opt in _distributed_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+    for chunk in model_chunks:
+        chunk.start_param_sync(force_sync=True)
+    first = states[0]
+    if load_optim:
+        if scheduler is not None and first["scheduler"] is not None:
+            scheduler.load_state_dict(first["scheduler"])
+        for opt, scaler in zip(_distributed_optimizers(optimizer), first["grad_scalers"]):
+            if opt.grad_scaler is not None and scaler is not None:
+                opt.grad_scaler.load_state_dict(scaler)
+    if load_rng and single:
+        _set_rng_state(first["rng"])
+    return it, first["consumed_samples"]

@@ -1,0 +1,104 @@
+"""Megatron-LM-shaped log lines, with the ZeRO++ byte counts appended after the standard fields."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+
+def peak_memory_gb() -> float:
+    """Peak device memory (CUDA) or peak resident set size of this process (CPU), in GB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+@dataclass
+class IntervalStats:
+    """What accumulates between two log lines."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    skipped: int = 0
+    nan: int = 0
+    seconds: float = 0.0
+    bytes: Dict[str, float] = field(default_factory=dict)
+
+    def add_bytes(self, counts: Dict[str, object]) -> None:
+        """Add one iteration's per-phase StepCounts."""
+        for phase, c in counts.items():
+            for locality in ("intra", "inter"):
+                key = f"{locality}"
+                self.bytes[key] = self.bytes.get(key, 0) + c.total(locality=locality)
+            for protocol in c.protocols:
+                key = f"{protocol} {phase}"
+                self.bytes[key] = self.bytes.get(key, 0) + c.total(protocol=protocol)
+
+
+def training_log_line(
+    iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
+    lr: float, global_batch_size: int, loss_scale: float, grad_norm: Optional[float],
+    flops_per_iteration: float, world_size: int, tokens_per_iteration: int,
+) -> str:
+    """One Megatron-LM training line; our fields come after ``number of nan iterations``."""
+    n = max(stats.iterations, 1)
+    ms = stats.seconds / n * 1000.0
+    tflops = flops_per_iteration / (stats.seconds / n) / world_size / 1e12 if stats.seconds else 0
+    loss = stats.loss_sum / stats.loss_count if stats.loss_count else float("nan")
+    tokens_per_s = tokens_per_iteration / (stats.seconds / n) if stats.seconds else 0.0
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {ms:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops:.3g}",
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+        f"lm loss: {loss:.6E}",
+        f"loss scale: {loss_scale:.1f}",
+    ]
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts += [
+        f"number of skipped iterations: {stats.skipped:3d}",
+        f"number of nan iterations: {stats.nan:3d}",
+        f"tokens per second: {tokens_per_s:.1f}",
+        f"peak memory (GB): {peak_memory_gb():.3f}",
+    ]
+    if stats.bytes:
+        parts.append(f"inter-node bytes per iteration: {stats.bytes.get('inter', 0) / n:.4E}")
+        parts.append(f"intra-node bytes per iteration: {stats.bytes.get('intra', 0) / n:.4E}")
+        for key in sorted(k for k in stats.bytes if k not in ("inter", "intra")):
+            parts.append(f"{key} bytes per iteration: {stats.bytes[key] / n:.4E}")
+    return " | ".join(parts) + " |"
+
+
+def validation_log_line(iteration: int, loss: float) -> str:
+    """Megatron-LM's validation line."""
+    import math
+
+    ppl = math.exp(min(20.0, loss))
+    return (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
+
+
+class TensorBoard:
+    """Optional TensorBoard scalars (only on the last rank, only if tensorboard is installed)."""
+
+    def __init__(self, directory: Optional[str]):
+        self.writer = None
+        if directory:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print(f"--tensorboard-dir {directory}: tensorboard is not installed, skipping")
+                return
+            self.writer = SummaryWriter(log_dir=directory)
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        """Add one scalar."""
+        if self.writer is not None:
+            self.writer.add_scalar(name, value, step)

@@ -1,0 +1,81 @@
+"""pretrain_gpt.py's command line: the flag set is fixed, bad input fails before any collective."""
+
+import pytest
+
+from megatron_zeropp.training.arguments import build_parser, parse_args
+
+SUPPORTED_FLAGS = sorted("""
+--accumulate-allreduce-grads-in-fp32 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout
+--bf16 --ckpt-step --clip-grad --context-parallel-size --data-cache-path --data-parallel-impl
+--data-path --disable-bias-linear --distributed-backend --distributed-timeout-minutes
+--eval-interval --eval-iters --exit-interval --ffn-hidden-size --fp16 --global-batch-size
+--group-query-attention --help --hidden-dropout --hidden-size --init-method-std
+--initial-loss-scale --load --log-interval --loss-scale --lr --lr-decay-iters --lr-decay-style
+--lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --micro-batch-size
+--min-lr --mock-data --no-load-optim --no-load-rng --norm-epsilon --normalization
+--num-attention-heads --num-layers --num-query-groups --optimizer --overlap-grad-reduce
+--pipeline-model-parallel-size --position-embedding-type --ranks-per-node
+--recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
+--save --save-interval --seed --seq-length --sequence-parallel --split --swiglu
+--tensor-model-parallel-size --tensorboard-dir --test-data-path --tokenizer-model
+--tokenizer-type --train-data-path --train-iters --transformer-impl
+--untie-embeddings-and-output-weights --valid-data-path --vocab-size --weight-decay
+--zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
+--zeropp-qgz-block-size --zeropp-qgz-fraction --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
+--zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-unit
+""".split())
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --lr 1e-3 --train-iters 10 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 128").split()
+
+
+def test_the_set_of_flags_is_fixed():
+    parser = build_parser()
+    flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
+    assert flags == SUPPORTED_FLAGS
+
+
+def test_a_valid_command_line_fills_megatron_defaults():
+    args = parse_args(BASE + ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"], world_size=8)
+    assert args.global_batch_size == 2 * 8
+    assert args.ffn_hidden_size == 4 * 64
+    assert args.max_position_embeddings == 32
+    assert args.lr_decay_iters == 10
+    swiglu = parse_args(BASE + ["--swiglu"], world_size=1)
+    assert swiglu.ffn_hidden_size == 192  # 8/3 * 64 rounded up to a multiple of 64
+
+
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        (["--bf16", "--fp16"], 1, "mutually exclusive"),
+        (["--sequence-parallel"], 1, "needs --tensor-model-parallel-size > 1"),
+        (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible by TP x PP x CP"),
+        (["--global-batch-size", "6"], 4, "--global-batch-size 6 is not a multiple"),
+        (["--data-parallel-impl", "megatron", "--zeropp-qgz"], 1, "conflicts with --zeropp-qgz"),
+        (["--ranks-per-node", "3"], 4, "--ranks-per-node 3 does not divide world size 4"),
+        (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible"),
+        (["--zeropp-qwz-block-size", "100"], 1, "qwz_block_size must be a power of two"),
+        (["--zeropp-qgz-fraction", "0"], 1, "qgz_fraction must be in"),
+        (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--data-path", "x"], 1, "exactly one data source"),
+    ],
+)
+def test_conflicts_fail_with_the_values(extra, world, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + extra, world_size=world)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_flags_fail(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--zeropp-turbo"], world_size=1)
+    assert "unrecognized arguments: --zeropp-turbo" in capsys.readouterr().err
+
+
+def test_abbreviations_are_not_accepted(capsys):
+    # argparse would otherwise accept --zeropp-q as --zeropp-qwz (ambiguous in spirit).
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--train-it", "5"], world_size=1)
