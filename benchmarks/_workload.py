@@ -1,0 +1,255 @@
+"""The workload the CPU benchmarks share: a megatron-core GPT under ZeroPPDataParallel.
+
+Every rank trains on ONE micro-batch per iteration, so an iteration is exactly one forward weight
+gather, one backward weight gather and one gradient reduction per unit (the paper's "3M").
+Weights and gradients are bf16 (16-bit, the unit the byte model counts in), the optimizer is
+megatron-core's distributed Adam attached to the primary shards.
+
+This module is imported as a top-level module (``benchmarks/`` on ``sys.path``): the
+simulated-node workers of :func:`megatron_zeropp.simulated_nodes.run_distributed` unpickle the
+worker functions below by module name, so they cannot live in a script's ``__main__``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+# megatron-core warns on import that optional GPU libraries are absent; noise on a CPU run.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from megatron_zeropp.sharding import ZeroPPConfig  # noqa: E402
+
+CONFIGS: Dict[str, ZeroPPConfig] = {
+    "ZeRO-3": ZeroPPConfig(),
+    "hpZ": ZeroPPConfig(hpz=True),
+    "qwZ": ZeroPPConfig(qwz=True),
+    "qgZ": ZeroPPConfig(qgz=True),
+    "qwZ+hpZ": ZeroPPConfig(qwz=True, hpz=True),
+    "qwZ+hpZ+qgZ": ZeroPPConfig(qwz=True, hpz=True, qgz=True),
+}
+"""The configurations the benchmarks compare, by display name."""
+
+PHASES = ("forward", "backward", "grad")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of the GPT and of one rank's micro-batch."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    vocab: int = 128
+    seq: int = 16
+    micro_batch: int = 1
+    """Sequences in this rank's one micro-batch (tokens per rank = micro_batch * seq)."""
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ModelSpec.{name} must be a positive int, got {v!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.micro_batch * self.seq
+
+
+def setup_megatron(seed: int = 1234) -> None:
+    """Patch megatron-core for CPU, build its parallel state (TP = PP = 1), seed its RNGs."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_zeropp.backend import apply_cpu_patches
+
+    apply_cpu_patches()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _transformer_config(spec: ModelSpec):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.heads,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        pipeline_dtype=torch.bfloat16,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+@dataclass
+class Built:
+    """One model wrapped for ZeRO(++) with its optimizer."""
+
+    name: str
+    wrapped: object
+    optimizer: object
+    elements: int
+    """M: 16-bit parameter elements of this rank's model chunk (padded bucket sizes)."""
+
+
+def build(topology, name: str, zeropp: ZeroPPConfig, spec: ModelSpec, seed: int = 1234) -> Built:
+    """A bf16 GPTModel (local spec) under ZeroPPDataParallel plus megatron-core's distributed Adam.
+
+    Call :func:`setup_megatron` first. Several models may be built in one process (each gets
+    its own TransformerConfig, so the schedule hooks do not collide).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_zeropp.optimizer import get_zeropp_optimizer
+    from megatron_zeropp.sharding import ZeroPPDataParallel
+
+    torch.manual_seed(seed)
+    config = _transformer_config(spec)
+    module = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=spec.vocab,
+        max_sequence_length=spec.seq,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    module = Float16Module(config, module)  # bf16 compute needs the wrapper (mixed-dtype matmul)
+    wrapped = ZeroPPDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True), module, topology,
+        zeropp,
+    )
+    optimizer = get_zeropp_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, bf16=True,
+                        loss_scale=1.0, use_distributed_optimizer=True),
+        [wrapped],
+    )
+    config.no_sync_func = wrapped.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    elements = sum(b.param_data.numel() for u in wrapped.units for b in u.buckets)
+    return Built(name, wrapped, optimizer, elements)
+
+
+def _microbatch(spec: ModelSpec, step: int, rank: int) -> Iterator[dict]:
+    # Random tokens: the benchmarks time and count, they do not need a learnable task.
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq + 1), generator=g)
+    yield {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones(spec.micro_batch, spec.seq),
+        "position_ids": torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, -1),
+        "attention_mask": None,
+    }
+
+
+def train_iteration(built: Built, spec: ModelSpec, step: int):
+    """One optimizer step on one micro-batch per rank; returns the StepResult."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_zeropp.training.gpt_step import train_step
+
+    dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    pp = parallel_state.get_pipeline_model_parallel_group()
+    return train_step([built.wrapped], built.optimizer, _microbatch(spec, step, dist.get_rank()),
+                      1, spec.seq, spec.micro_batch, dp, pp)
+
+
+def counts_table_row(counts: dict) -> Dict[str, Dict[str, int]]:
+    """Plain dict of one iteration's counts: {phase: {(protocol|locality|part): bytes}}."""
+    out: Dict[str, Dict[str, int]] = {}
+    for phase, c in counts.items():
+        out[phase] = {"|".join(k): v for k, v in c.bytes_by_key.items()}
+    return out
+
+
+def measure_volume(ctx, names: List[str], spec: ModelSpec, iterations: int = 2) -> dict:
+    """Worker (run_distributed): bytes this rank sent in the last of ``iterations`` iterations.
+
+    The first iteration records the unit order (prefetch starts on the second), so with the
+    default two the counted iteration is a steady-state one. Returns
+    ``{name: {"elements": M, "buckets": [numel, ...], "counts": {phase: {"protocol|locality|part":
+    bytes}}, "calls": {phase: {protocol: n}}, "loss": float}}``.
+    """
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    setup_megatron()
+    topology = ctx.topology()
+    out = {}
+    for name in names:
+        built = build(topology, name, CONFIGS[name], spec)
+        for i in range(iterations):
+            built.wrapped.set_training_progress(i, iterations)
+            built.wrapped.comm_counts(reset=True)
+            result = train_iteration(built, spec, i)
+        counts = built.wrapped.comm_counts(reset=True)
+        out[name] = {
+            "elements": built.elements,
+            "buckets": [b.param_data.numel() for u in built.wrapped.units for b in u.buckets],
+            "counts": counts_table_row(counts),
+            "calls": {phase: dict(c.calls) for phase, c in counts.items()},
+            "loss": result.loss,
+        }
+        del built
+    return out
+
+
+def timed_iteration(built: Built, spec: ModelSpec, step: int, total: int) -> float:
+    """Seconds for one iteration, between two barriers (so it is the slowest rank's time)."""
+    import torch.distributed as dist
+
+    built.wrapped.set_training_progress(step, total)
+    dist.barrier()
+    start = time.perf_counter()
+    train_iteration(built, spec, step)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def inter_bytes(counts: Dict[str, Dict[str, int]], phase: Optional[str] = None) -> int:
+    """Inter-node bytes of a :func:`counts_table_row` result (one phase or all)."""
+    return sum(
+        v for ph, keys in counts.items() if phase in (None, ph)
+        for k, v in keys.items() if k.split("|")[1] == "inter"
+    )
+
+
+def machine_summary() -> str:
+    """One line: cores, CPU model, RAM, torch version, date (for the docs next to a number)."""
+    import datetime
+    import os
+    import platform
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    ram = "?"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(next(ln.split()[1] for ln in f if ln.startswith("MemTotal")))
+        ram = f"{kb / 2**20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    today = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return (f"nproc {len(os.sched_getaffinity(0))}, {cpu}, RAM {ram}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, {today}")
