@@ -140,6 +140,9 @@ def dequantize_reduce(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Sum P pieces ``data (P, C, nbytes)`` / ``scales (P, C, nblocks)`` in fp32, per element.
 
+    Piece order 0..P-1, each piece added with one rounding (``fl(acc + q * s)``, a fused
+    multiply-add on both backends).
+
     With ``out_bits`` the C row sums are requantized (``out_block_size`` defaults to
     ``block_size``) and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; without,
     the sums are cast to ``out_dtype`` and returned as ``(C, numel)``.

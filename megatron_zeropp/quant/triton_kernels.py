@@ -1,25 +1,31 @@
 """Triton kernels for block quantization and qgZ's local steps, bit-identical to the reference.
 
-Every kernel performs the fp32 arithmetic of :mod:`.reference` in the same order (see its
-docstring), so for round-to-nearest the codes, scales and outputs equal the reference's exactly
-(``torch.equal``; NaN positions equal). The things that make that hold:
+Every kernel performs the fp32 arithmetic of :mod:`.reference` / :mod:`.qgz_reference` in the same
+order, so for round-to-nearest the codes, scales and outputs equal the reference's exactly
+(``torch.equal``; NaN positions equal, NaN payloads may differ). What makes that hold:
 
 * one IEEE division per block (``tl.div_rn``; Triton's ``/`` may lower to an approximate division)
   for the scale and the reciprocal, then plain fp32 multiplies per element;
 * rounding half to even through the fp32 adder: for ``|y| < 2**22``, ``y + 1.5 * 2**23`` rounds
   ``y`` to an integer in the low mantissa bits, which are then the two's complement code. This is
-  the rounding ``torch.round`` does, without an F2I conversion (a slow instruction on Hopper);
-  codes go back to fp32 the same way (``bits(code + 0x4B400000) - 1.5 * 2**23``, exact);
-* kernels are compiled with ``enable_fp_fusion=False``: a fused multiply-add rounds once where the
-  reference rounds twice (``acc + q * s``, ``y + magic``);
-* NaN-propagating max for the block absmax, and bf16/fp16 loaded as themselves and widened by
+  the rounding ``torch.round`` does, without an F2I conversion (slow on Hopper); codes go back to
+  fp32 the same way, exactly (INT8: ``bits(code + 0x4B400000) - 1.5 * 2**23``; INT4: see
+  :func:`_nibble`);
+* kernels are compiled with ``enable_fp_fusion=False``, because a contracted ``x * inv + magic``
+  would round once where the reference rounds twice; the one deliberate fused multiply-add is the
+  dequantize-reduce accumulation ``acc = fma(q, s, acc)``, which the reference defines the same way
+  (:func:`.qgz_reference.fma32`);
+* a NaN-propagating max for the block absmax, and bf16/fp16 loaded as themselves and widened by
   Triton (bf16 is never reinterpreted as fp16).
 
 Stochastic rounding is not implemented here; :mod:`megatron_zeropp.quant` routes it to the
 reference. Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 
 Each program handles one tile of ``G`` consecutive blocks of one row (rows never share a tile), so
-a block's absmax is a reduction inside the program and nothing crosses programs.
+a block's absmax is a reduction inside the program and nothing crosses programs. The kernels are
+memory-bound except the dequantize-reduce, which is bound by instruction issue (about 40
+instructions per output element for 8 INT4 pieces): every instruction per element was counted in
+the SASS (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,9 +46,12 @@ from .reference import (
     quantized_sizes,
 )
 
-# (elements per program, warps per program) by kernel, from the H200 sweep in
-# docs/benchmarks.md. A program's tile is at least one block.
-_CONFIG = {"quantize": (2048, 2), "dequantize": (2048, 4), "reduce": (2048, 4)}
+# (elements per program, warps per program, FAST) by kernel, from the H200 sweep recorded in
+# docs/benchmarks.md: 32 elements per thread was best for every kernel. A program's tile is at
+# least one block. FAST: test each tile for the plain case (see _block_params).
+_CONFIG = {"quantize": (2048, 2, False), "dequantize": (2048, 4, False),
+           "reduce": (2048, 2, True)}
+_MAX_GRID_DIM1 = 65535
 
 # Runtime arguments of the INT4 unpacking (see _unpack_words): 0x88888888 as int32, bits of 2**23.
 _FLIP_BITS = -0x77777778
@@ -79,6 +88,30 @@ def _cast_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(dtype)
+
+
+@triton.jit
+def _row_and_tile(ROWS_FIRST: tl.constexpr):
+    """(row, tile within the row) of this program; the 2-D grid avoids an integer division."""
+    if ROWS_FIRST:
+        return tl.program_id(0), tl.program_id(1)
+    else:
+        return tl.program_id(1), tl.program_id(0)
+
+
+@triton.jit
+def _widen(x, INTERPRET: tl.constexpr):
+    """Input values as fp32 (exact for bf16/fp16/fp32).
+
+    Under ``TRITON_INTERPRET=1`` Triton's bf16 -> fp32 cast mangles subnormals, so the interpreter
+    widens bf16 on the bits (a bf16 is the top half of an fp32); compiled kernels use the native
+    cast, which is that same shift.
+    """
+    if INTERPRET and x.dtype == tl.bfloat16:
+        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -262,15 +295,16 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblocks_row,
-                          tiles_per_row, nodes, ranks_per_node, SWIZZLE: tl.constexpr,
+                          NODES: tl.constexpr, RANKS_PER_NODE: tl.constexpr,
+                          SWIZZLE: tl.constexpr, ROWS_FIRST: tl.constexpr,
                           BITS: tl.constexpr, QMAX_F: tl.constexpr, BS: tl.constexpr,
-                          G: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr):
-    pid = tl.program_id(0)
-    row = pid // tiles_per_row
-    t = pid % tiles_per_row
+                          G: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    row, t = _row_and_tile(ROWS_FIRST)
     if SWIZZLE:
-        # send position row = j' * K + k' reads chunk k' * N + j' (qgz_reference docstring)
-        src = (row % nodes) * ranks_per_node + row // nodes
+        # send position row = j' * K + k' reads chunk k' * N + j' (qgz_reference docstring);
+        # K and N are compile-time constants so this is no run-time division
+        src = (row % NODES) * RANKS_PER_NODE + row // NODES
     else:
         src = row
     cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
@@ -279,8 +313,8 @@ def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblock
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
-    _quantize_store(x.to(tl.float32), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS,
-                    QMAX_F, BS, G, EVEN, FAST)
+    _quantize_store(_widen(x, INTERPRET), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row,
+                    BITS, QMAX_F, BS, G, EVEN, FAST)
 
 
 @triton.jit
@@ -293,12 +327,10 @@ def _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS: tl.constexpr
 
 @triton.jit
 def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nblocks_row,
-                            tiles_per_row, flip_bits, magic_bits, BITS: tl.constexpr,
+                            flip_bits, magic_bits, ROWS_FIRST: tl.constexpr, BITS: tl.constexpr,
                             BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
                             INTERPRET: tl.constexpr):
-    pid = tl.program_id(0)
-    row = pid // tiles_per_row
-    t = pid % tiles_per_row
+    row, t = _row_and_tile(ROWS_FIRST)
     s = _load_scales(scale_ptr, row, t, nblocks_row, G, EVEN)[:, None]
     if BITS == 8:
         v = _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS, G, EVEN) * s
@@ -341,14 +373,12 @@ def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nb
 @triton.jit
 def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, out_ptr, rows,
                               n_cols, nbytes_in, nblocks_in, nbytes_out, nblocks_out,
-                              tiles_per_row, flip_bits, magic_bits, P: tl.constexpr,
+                              flip_bits, magic_bits, ROWS_FIRST: tl.constexpr, P: tl.constexpr,
                               IN_BITS: tl.constexpr, IN_BS: tl.constexpr, OUT_BITS: tl.constexpr,
                               OUT_QMAX_F: tl.constexpr, OUT_BS: tl.constexpr, TILE: tl.constexpr,
                               EVEN: tl.constexpr, INTERPRET: tl.constexpr,
-                              FUSED: tl.constexpr, FAST: tl.constexpr):
-    pid = tl.program_id(0)
-    row = pid // tiles_per_row
-    t = pid % tiles_per_row
+                              FAST: tl.constexpr):
+    row, t = _row_and_tile(ROWS_FIRST)
     GI: tl.constexpr = TILE // IN_BS
     if IN_BITS == 8:
         acc = tl.zeros((GI, IN_BS), tl.float32)
@@ -357,7 +387,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             s = _load_scales(scale_ptr, p * rows + row, t, nblocks_in, GI, EVEN)
             q = _dequantize_int8(data_ptr, p * rows + row, t, nbytes_in, nblocks_in, IN_BS, GI,
                                  EVEN)
-            acc = acc + q * s[:, None]
+            acc = tl.fma(q, s[:, None], acc)  # one rounding per piece, as the reference
         _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
                        nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN, INTERPRET, FAST)
     else:
@@ -376,24 +406,15 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             w = _load_row_tile(data_ptr, p * rows + row, t, nbytes_in // 4, nblocks_in, W, GI,
                                EVEN)
             c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
-            if FUSED:
-                a0 = tl.fma(c0, s, a0)
-                a1 = tl.fma(c1, s, a1)
-                a2 = tl.fma(c2, s, a2)
-                a3 = tl.fma(c3, s, a3)
-                a4 = tl.fma(c4, s, a4)
-                a5 = tl.fma(c5, s, a5)
-                a6 = tl.fma(c6, s, a6)
-                a7 = tl.fma(c7, s, a7)
-            else:
-                a0 = a0 + c0 * s
-                a1 = a1 + c1 * s
-                a2 = a2 + c2 * s
-                a3 = a3 + c3 * s
-                a4 = a4 + c4 * s
-                a5 = a5 + c5 * s
-                a6 = a6 + c6 * s
-                a7 = a7 + c7 * s
+            # one rounding per piece (a fused multiply-add), as the reference
+            a0 = tl.fma(c0, s, a0)
+            a1 = tl.fma(c1, s, a1)
+            a2 = tl.fma(c2, s, a2)
+            a3 = tl.fma(c3, s, a3)
+            a4 = tl.fma(c4, s, a4)
+            a5 = tl.fma(c5, s, a5)
+            a6 = tl.fma(c6, s, a6)
+            a7 = tl.fma(c7, s, a7)
         if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN:
             # Requantize without leaving the nibble-major layout.
             m = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1), propagate_nan=_ALL),
@@ -424,13 +445,25 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _config(kind: str, block_size: int, tile: Optional[int],
-            num_warps: Optional[int]) -> Tuple[int, int]:
-    default_tile, default_warps = _CONFIG[kind]
-    tile = default_tile if tile is None else tile
+def _config(kind: str, block_size: int, tuning: dict) -> Tuple[int, int, bool]:
+    """(tile, num_warps, fast) for a kernel: defaults from _CONFIG, overridden by ``tuning``."""
+    unknown = set(tuning) - {"tile", "num_warps", "fast"}
+    if unknown:
+        raise ValueError(f"unknown tuning options {sorted(unknown)}")
+    tile, num_warps, fast = _CONFIG[kind]
+    tile = tuning.get("tile", tile)
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two, got {tile}")
-    return max(tile, block_size), default_warps if num_warps is None else num_warps
+    return max(tile, block_size), tuning.get("num_warps", num_warps), tuning.get("fast", fast)
+
+
+def _grid(rows: int, tiles_per_row: int) -> Tuple[Tuple[int, int], bool]:
+    """2-D launch grid; the larger extent goes on axis 0 (grid axis 1 stops at 65535)."""
+    if tiles_per_row <= _MAX_GRID_DIM1:
+        return (rows, tiles_per_row), True
+    if rows <= _MAX_GRID_DIM1:
+        return (tiles_per_row, rows), False
+    raise ValueError(f"{rows} rows of {tiles_per_row} tiles each exceed the launch grid")
 
 
 def _check_row_length(n: int) -> None:
@@ -462,13 +495,13 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
     if rows == 0 or nblocks == 0:
         return data, scales
     _check_row_length(n)
-    tile, num_warps = _config("quantize", block_size, tuning.get("tile"), tuning.get("num_warps"))
-    tiles_per_row = -(-n // tile)
-    _quantize_rows_kernel[(rows * tiles_per_row,)](
-        src, _kernel_codes(data, bits), scales, n, nbytes, nblocks, tiles_per_row, nodes,
-        ranks_per_node, SWIZZLE=swizzle, BITS=bits, QMAX_F=float(QMAX[bits]), BS=block_size,
-        G=tile // block_size, EVEN=n % tile == 0, FAST=tuning.get("fast", True),
-        num_warps=num_warps, enable_fp_fusion=False,
+    tile, num_warps, fast = _config("quantize", block_size, tuning)
+    grid, rows_first = _grid(rows, -(-n // tile))
+    _quantize_rows_kernel[grid](
+        src, _kernel_codes(data, bits), scales, n, nbytes, nblocks, NODES=nodes,
+        RANKS_PER_NODE=ranks_per_node, SWIZZLE=swizzle, ROWS_FIRST=rows_first, BITS=bits,
+        QMAX_F=float(QMAX[bits]), BS=block_size, G=tile // block_size, EVEN=n % tile == 0,
+        FAST=fast, INTERPRET=_interpreting(), num_warps=num_warps, enable_fp_fusion=False,
     )
     return data, scales
 
@@ -508,14 +541,13 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     if rows == 0 or numel == 0:
         return out
     _check_row_length(numel)
-    tile, num_warps = _config("dequantize", block_size, tuning.get("tile"),
-                              tuning.get("num_warps"))
-    tiles_per_row = -(-numel // tile)
-    _dequantize_rows_kernel[(rows * tiles_per_row,)](
+    tile, num_warps, _ = _config("dequantize", block_size, tuning)
+    grid, rows_first = _grid(rows, -(-numel // tile))
+    _dequantize_rows_kernel[grid](
         _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
-        tiles_per_row, _FLIP_BITS, _MAGIC23_BITS, BITS=bits, BS=block_size, G=tile // block_size,
-        EVEN=numel % tile == 0, INTERPRET=_interpreting(), num_warps=num_warps,
-        enable_fp_fusion=False,
+        _FLIP_BITS, _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
+        G=tile // block_size, EVEN=numel % tile == 0, INTERPRET=_interpreting(),
+        num_warps=num_warps, enable_fp_fusion=False,
     )
     return out
 
@@ -525,11 +557,7 @@ def dequantize_reduce(
     out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
     out_dtype: torch.dtype = torch.float32, **tuning,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Triton :func:`.qgz_reference.dequantize_reduce`: one pass, fp32 sums in piece order.
-
-    ``tuning`` may also hold ``fused=True`` (benchmarks only, INT4 inputs): accumulate with
-    fused multiply-adds, which round once per piece, so *not* bit-identical to the reference.
-    """
+    """Triton :func:`.qgz_reference.dequantize_reduce`: one pass, fp32 sums in piece order."""
     out_block_size = check_reduce_input(data, scales, bits, block_size, numel, out_bits,
                                         out_block_size, out_dtype)
     pieces, rows, nbytes_in = data.shape
@@ -546,17 +574,16 @@ def dequantize_reduce(
         out = out_data  # unused by the kernel
     if rows > 0 and numel > 0:
         _check_row_length(numel)
-        tile, num_warps = _config("reduce", max(block_size, out_block_size), tuning.get("tile"),
-                                  tuning.get("num_warps"))
-        tiles_per_row = -(-numel // tile)
-        _dequantize_reduce_kernel[(rows * tiles_per_row,)](
+        tile, num_warps, fast = _config("reduce", max(block_size, out_block_size), tuning)
+        grid, rows_first = _grid(rows, -(-numel // tile))
+        _dequantize_reduce_kernel[grid](
             _kernel_codes(data, bits), scales.contiguous(),
             out_data if out_bits is None else _kernel_codes(out_data, out_bits), out_scales, out,
-            rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, tiles_per_row, _FLIP_BITS,
-            _MAGIC23_BITS, P=pieces, IN_BITS=bits, IN_BS=block_size, OUT_BITS=out_bits or 0,
-            OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size, TILE=tile,
-            EVEN=numel % tile == 0, INTERPRET=_interpreting(), FUSED=tuning.get("fused", False),
-            FAST=tuning.get("fast", True), num_warps=num_warps, enable_fp_fusion=False,
+            rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, _FLIP_BITS,
+            _MAGIC23_BITS, ROWS_FIRST=rows_first, P=pieces, IN_BITS=bits, IN_BS=block_size,
+            OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
+            TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
+            num_warps=num_warps, enable_fp_fusion=False,
         )
     if out_bits is None:
         return out
