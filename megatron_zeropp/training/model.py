@@ -50,7 +50,9 @@ def transformer_config(args):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=not on_cpu,
-        masked_softmax_fusion=not on_cpu,
+        # megatron-core's fused softmax needs apex's compiled extension; torch softmax otherwise.
+        masked_softmax_fusion=not on_cpu
+        and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_activation_fusion=not on_cpu and not args.swiglu,
         apply_rope_fusion=False,
         recompute_granularity=args.recompute_granularity,
