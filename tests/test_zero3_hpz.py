@@ -77,3 +77,27 @@ def _stale_read(ctx):
 def test_reading_a_stale_secondary_raises():
     messages = run_distributed(_stale_read, 2, 2)
     assert all(m is not None and "version" in m for m in messages), messages
+
+
+def _broadcast_then_train(ctx, zeropp):
+    import torch.distributed as dist
+    from zero3_runs import build, full_params, train
+
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp)
+    train(wrapped, optimizer, 1)  # fills the hpZ secondaries
+    with wrapped.gathered_parameters(write_back=True):  # a weight change outside the optimizer
+        for p in wrapped.params_with_grad:
+            p.data.add_(0.5 * (dist.get_rank() + 1))  # each rank writes back its own shard
+    wrapped.broadcast_params()
+    after = full_params(wrapped)
+    return after, train(wrapped, optimizer, 2)
+
+
+def test_weight_changes_and_broadcast_keep_hpz_exact():
+    plain = run_distributed(_broadcast_then_train, 2, 2, args=(ZeroPPConfig(),))
+    hpz = run_distributed(_broadcast_then_train, 2, 2, args=(ZeroPPConfig(hpz=True),))
+    for out in (plain, hpz):
+        first = out[0][0]
+        assert all(all(torch.equal(o[0][k], first[k]) for k in first) for o in out)
+    # hpZ copies filled before the change must not be used after it
+    assert [o[1] for o in hpz] == [o[1] for o in plain]

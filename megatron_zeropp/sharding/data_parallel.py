@@ -331,7 +331,11 @@ class ZeroPPDataParallel(_BaseDataParallel):
                 buf.scale_gradients(scaling_factor)
 
     def broadcast_params(self):
-        """Make every DP rank hold DP rank 0's weights (then re-shard)."""
+        """Make every DP rank hold DP rank 0's weights (then re-shard).
+
+        Under ZeRO-3 each element has one owner, so the gathered weights already agree across DP
+        ranks; this keeps megatron-core's contract for callers and marks a weight change.
+        """
         src = dist.get_global_rank(self.comm.dp_group, 0)
         with self.gathered_parameters(write_back=True):
             for p in self.params_with_grad:
