@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 import torch
 
@@ -223,12 +223,31 @@ def timed_iteration(built: Built, spec: ModelSpec, step: int, total: int) -> flo
     return time.perf_counter() - start
 
 
-def inter_bytes(counts: Dict[str, Dict[str, int]], phase: Optional[str] = None) -> int:
-    """Inter-node bytes of a :func:`counts_table_row` result (one phase or all)."""
-    return sum(
-        v for ph, keys in counts.items() if phase in (None, ph)
-        for k, v in keys.items() if k.split("|")[1] == "inter"
-    )
+ALL_TO_ALL = ("qgz_reduce_scatter",)
+
+
+def total_bytes(counts: Dict[str, Dict[str, int]], phase=None, locality=None, part=None,
+                protocols=None) -> int:
+    """Sum of a :func:`counts_table_row` result over the keys matching every given filter."""
+    total = 0
+    for ph, keys in counts.items():
+        if phase not in (None, ph):
+            continue
+        for key, v in keys.items():
+            proto, loc, prt = key.split("|")
+            if locality in (None, loc) and part in (None, prt) and (
+                protocols is None or proto in protocols
+            ):
+                total += v
+    return total
+
+
+def node_link(counts: Dict[str, Dict[str, int]], ranks_per_node: int) -> int:
+    """Bytes one node's link carries per iteration: a ring's cross-node bytes are one rank's
+    (every step of the ring crosses each node boundary once), an all-to-all's are every rank's."""
+    inter = total_bytes(counts, locality="inter")
+    a2a = total_bytes(counts, locality="inter", protocols=ALL_TO_ALL)
+    return inter - a2a + ranks_per_node * a2a
 
 
 def machine_summary() -> str:

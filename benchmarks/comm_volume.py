@@ -33,7 +33,6 @@ import _workload as W
 from megatron_zeropp.simulated_nodes import run_distributed
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-ALL_TO_ALL = ("qgz_reduce_scatter",)
 
 
 def parse_layout(text: str) -> Tuple[int, int]:
@@ -66,29 +65,6 @@ def measure(layouts: Sequence[Tuple[int, int]], names: Sequence[str], spec: W.Mo
     return out
 
 
-def _total(counts: Dict[str, Dict[str, int]], phase=None, locality=None, part=None,
-           protocols=None) -> int:
-    total = 0
-    for ph, keys in counts.items():
-        if phase not in (None, ph):
-            continue
-        for key, v in keys.items():
-            proto, loc, prt = key.split("|")
-            if locality in (None, loc) and part in (None, prt) and (
-                protocols is None or proto in protocols
-            ):
-                total += v
-    return total
-
-
-def node_link(counts: Dict[str, Dict[str, int]], ranks_per_node: int) -> int:
-    """Bytes one node's link carries per iteration: a ring's cross-node bytes are one rank's
-    (every step of the ring crosses each node boundary once), an all-to-all's are every rank's."""
-    inter = _total(counts, locality="inter")
-    a2a = _total(counts, locality="inter", protocols=ALL_TO_ALL)
-    return inter - a2a + ranks_per_node * a2a
-
-
 def summary_table(results: dict, ranks_per_node: int) -> str:
     """One row per configuration: inter-node bytes per phase, totals, ratio to ZeRO-3."""
     rows = ["| configuration | forward inter | backward inter | grad inter | **inter total** | "
@@ -97,12 +73,13 @@ def summary_table(results: dict, ranks_per_node: int) -> str:
     base = results.get("ZeRO-3")
     for name, r in results.items():
         c, unit = r["counts"], 2.0 * r["elements"]
-        inter = _total(c, locality="inter")
-        ratio = f"{inter / _total(base['counts'], locality='inter'):.3f}" if base else "-"
+        inter = W.total_bytes(c, locality="inter")
+        ratio = f"{inter / W.total_bytes(base['counts'], locality='inter'):.3f}" if base else "-"
+        phases = [W.total_bytes(c, ph, "inter") / unit for ph in W.PHASES]
         rows.append(
-            f"| {name} | " + " | ".join(f"{_total(c, ph, 'inter') / unit:.4f}" for ph in W.PHASES)
-            + f" | **{inter / unit:.4f}** | {_total(c, locality='intra') / unit:.4f} | "
-            f"{node_link(c, ranks_per_node) / unit:.4f} | {ratio} |"
+            f"| {name} | " + " | ".join(f"{v:.4f}" for v in phases)
+            + f" | **{inter / unit:.4f}** | {W.total_bytes(c, locality='intra') / unit:.4f} | "
+            f"{W.node_link(c, ranks_per_node) / unit:.4f} | {ratio} |"
         )
     return "\n".join(rows)
 
@@ -116,7 +93,7 @@ def detail_table(results: dict) -> str:
         for phase in W.PHASES:
             protos = sorted({k.split("|")[0] for k in r["counts"].get(phase, {})})
             for proto in protos:
-                vals = [_total(r["counts"], phase, loc, prt, (proto,)) / unit
+                vals = [W.total_bytes(r["counts"], phase, loc, prt, (proto,)) / unit
                         for loc in ("intra", "inter") for prt in ("payload", "scales")]
                 rows.append(f"| {name} | {phase} | {proto} | {r['calls'][phase].get(proto, 0)} | "
                             + " | ".join(f"{v:.4f}" for v in vals) + " |")
