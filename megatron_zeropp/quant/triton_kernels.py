@@ -46,11 +46,12 @@ from .reference import (
     quantized_sizes,
 )
 
-# (elements per program, warps per program, FAST) by kernel, from the H200 sweep recorded in
-# docs/benchmarks.md: 32 elements per thread was best for every kernel. A program's tile is at
-# least one block. FAST: test each tile for the plain case (see _block_params).
+# (elements per program, warps per program, FAST) by kernel, from the H200 sweeps recorded in
+# docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
+# dtype: its interleaving runs out of registers above 16). A program's tile is at least one
+# block. FAST: test each tile for the plain case (see _block_params).
 _CONFIG = {"quantize": (2048, 2, False), "dequantize": (2048, 4, False),
-           "reduce": (2048, 2, True)}
+           "reduce": (2048, 2, True), "reduce_cast": (1024, 2, True)}
 _MAX_GRID_DIM1 = 65535
 
 # Runtime arguments of the INT4 unpacking (see _unpack_words): 0x88888888 as int32, bits of 2**23.
@@ -574,7 +575,8 @@ def dequantize_reduce(
         out = out_data  # unused by the kernel
     if rows > 0 and numel > 0:
         _check_row_length(numel)
-        tile, num_warps, fast = _config("reduce", max(block_size, out_block_size), tuning)
+        kind = "reduce_cast" if out_bits is None else "reduce"
+        tile, num_warps, fast = _config(kind, max(block_size, out_block_size), tuning)
         grid, rows_first = _grid(rows, -(-numel // tile))
         _dequantize_reduce_kernel[grid](
             _kernel_codes(data, bits), scales.contiguous(),
