@@ -149,10 +149,13 @@ def quant_cpu_seconds(elements: int, nodes: int, ranks_per_node: int, repeats: i
         "qwZ quantize shard": lambda: Q.quantize_chunks(x[:c].reshape(1, c), 8, 256),
         "qwZ dequantize Z shards": lambda: Q.dequantize_chunks(d8, s8, 8, 256, c, x.dtype),
         "qgZ swizzled quantize": lambda: Q.swizzled_quantize(x, nodes, ranks_per_node, 4, 128),
-        "qgZ hop-1 dequantize-sum-requantize": lambda: Q.dequantize_reduce(*hop1, 4, 128, c,
-                                                                          out_bits=4),
-        "qgZ hop-2 dequantize-sum": lambda: Q.dequantize_reduce(*hop2, 4, 128, c),
     }
+    # qgZ runs only the hops that exist: no intra-node hop with one rank per node.
+    if ranks_per_node > 1:
+        ops["qgZ hop-1 dequantize-sum-requantize"] = lambda: Q.dequantize_reduce(
+            *hop1, 4, 128, c, out_bits=4)
+    if nodes > 1:
+        ops["qgZ hop-2 dequantize-sum"] = lambda: Q.dequantize_reduce(*hop2, 4, 128, c)
     out = {}
     for name, fn in ops.items():
         times = []
