@@ -330,8 +330,8 @@ def main(argv=None) -> int:
     if a.dry_run:
         return 0
     print(report(results, a.ranks_per_node))
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (other work on the machine "
-          "slows both configurations; they alternate, so it hits both alike)")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (the configurations alternate, "
+          "so other work on the machine hits all of them, but the CPU-bound ones hardest)")
     elements = next(iter(next(iter(results.values())).values()))["elements"]
     quant = quant_cpu_seconds(elements, 2, a.ranks_per_node)
     total = sum(quant.values())

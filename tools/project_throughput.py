@@ -331,6 +331,12 @@ def paper_comparison(a: argparse.Namespace) -> str:
         "overlap hides all communication once compute exceeds it, so it predicts no gain at 8 "
         "links where the paper measured one: ZeRO-3's communication was not hidden there."
     )
+    notes.append(
+        f"- NIC share: rings spanning nodes run at the node's whole link here (--nic-share "
+        f"{a.nic_share}); a ring puts one rank's bytes on each node link. Giving every GPU 1/G of "
+        "the link for rings too (--nic-share gpu) makes ZeRO-3's gathers G times slower, far below "
+        "the paper's measurements."
+    )
     return "\n".join(rows) + "\n\n" + "\n".join(notes)
 
 
