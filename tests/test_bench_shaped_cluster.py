@@ -113,3 +113,9 @@ def test_report_side_by_side():
     # Median 3.0 s vs 1.5 s; 50 B A->B per iteration = 0.5 x 2M (M = 50 elements).
     assert "| 100 | qwZ+hpZ+qgZ | 1.500 | 0.667 | **2.00x** | 0.0 / 0.0 | 0.500 |" in text
     assert "| 100 | ZeRO-3 | 3.000 | 0.333 | **1.00x** |" in text
+
+
+def test_skips_cleanly_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert shaped_cluster.main(["--rates", "100"]) == 0
+    assert "skipped: needs root" in capsys.readouterr().out
