@@ -64,15 +64,9 @@ class ModelSpec:
 
 def setup_megatron(seed: int = 1234) -> None:
     """Patch megatron-core for CPU, build its parallel state (TP = PP = 1), seed its RNGs."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron_zeropp.backend import init_megatron
 
-    from megatron_zeropp.backend import apply_cpu_patches
-
-    apply_cpu_patches()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    init_megatron(1, 1, seed=seed)
 
 
 def _transformer_config(spec: ModelSpec):

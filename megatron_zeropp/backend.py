@@ -56,3 +56,23 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
             chosen, timeout=datetime.timedelta(minutes=timeout_minutes)
         )
     return chosen
+
+
+def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                  context_parallel: int = 1, seed: int = 1234) -> None:
+    """megatron-core's parallel state and RNG seeds, after ``init_process_group``.
+
+    Applies the CPU patches when there is no CUDA. Seeds torch and megatron-core's model-parallel
+    RNG tracker (mandatory before building megatron-core layers). Idempotent for the parallel
+    state: an already initialised one is kept.
+    """
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mcore_tp
+
+    apply_cpu_patches()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel
+        )
+    torch.manual_seed(seed)
+    mcore_tp.model_parallel_cuda_manual_seed(seed)

@@ -12,14 +12,9 @@ SEQ = 16
 
 def setup_megatron(tp: int, pp: int, seed: int = 1234) -> None:
     """Patch megatron-core for CPU, build its parallel state and seed its RNG tracker."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron_zeropp.backend import init_megatron
 
-    from megatron_zeropp.backend import apply_cpu_patches
-
-    apply_cpu_patches()
-    parallel_state.initialize_model_parallel(tp, pp)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    init_megatron(tp, pp, seed=seed)
 
 
 def tiny_config(tp: int, pp: int, layers: int = 4, hidden: int = 64, heads: int = 4,

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_zeropp.backend import default_device, init_distributed
+from megatron_zeropp.backend import default_device, init_distributed, init_megatron
 from megatron_zeropp.topology import build_topology
 
 from .arguments import parse_args, print_args
@@ -117,18 +117,14 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     load and after every iteration (before that iteration's checkpoint is saved).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     _quiet_known_warnings()
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     world, rank = dist.get_world_size(), dist.get_rank()
-    ps.initialize_model_parallel(args.tensor_model_parallel_size,
-                                 args.pipeline_model_parallel_size,
-                                 context_parallel_size=args.context_parallel_size)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size, args.seed)
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
