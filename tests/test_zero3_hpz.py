@@ -38,9 +38,10 @@ def baseline():
     return _run(2, 4, ZeroPPConfig())
 
 
-@pytest.mark.parametrize("nodes,rpn", [(2, 4), (4, 2)])
-def test_hpz_is_bit_identical_to_zero3(baseline, nodes, rpn):
-    out = _run(nodes, rpn, ZeroPPConfig(hpz=True))
+@pytest.mark.parametrize("nodes,rpn,partition", [(2, 4, None), (4, 2, None), (2, 4, 2)])
+def test_hpz_is_bit_identical_to_zero3(baseline, nodes, rpn, partition):
+    # partition 2 on 4-rank nodes: two secondary copies per node, each over 2 ranks
+    out = _run(nodes, rpn, ZeroPPConfig(hpz=True, hpz_partition_size=partition))
     for (b_steps, b_params), (h_steps, h_params) in zip(baseline, out):
         assert h_steps == b_steps
         assert all(torch.equal(h_params[k], b_params[k]) for k in b_params)
