@@ -42,20 +42,7 @@ def zero3_all_gather(
 
     ``output.numel()`` must be ``group size * input.numel()``; both contiguous.
     """
-    check_tensor("input", input)
-    check_tensor("output", output)
-    check_same_device(output=output, input=input)
-    if output.dtype != input.dtype:
-        raise ValueError(
-            f"zero3_all_gather: output dtype {output.dtype} != input dtype {input.dtype}"
-        )
-    ranks, _ = check_member("group", group)
-    g = len(ranks)
-    if output.numel() != g * input.numel():
-        raise ValueError(
-            f"zero3_all_gather: output has {output.numel()} elements, expected group size {g} x "
-            f"input numel {input.numel()} = {g * input.numel()}"
-        )
+    ranks = _check_full_and_shard("zero3_all_gather", "output", output, "input", input, group)
     if stats is not None:
         stats.count_call(ALLGATHER)
         stats.record_ring(ALLGATHER, ranks, input.numel() * input.element_size())
@@ -82,20 +69,9 @@ def zero3_reduce_scatter(
     ZeRO-3 does with 16-bit gradients).
     """
     check_op(op)
-    check_tensor("input", input)
-    check_tensor("output", output)
-    check_same_device(output=output, input=input)
-    if output.dtype != input.dtype:
-        raise ValueError(
-            f"zero3_reduce_scatter: output dtype {output.dtype} != input dtype {input.dtype}"
-        )
-    ranks, _ = check_member("group", group)
-    g = len(ranks)
-    if input.numel() != g * output.numel():
-        raise ValueError(
-            f"zero3_reduce_scatter: input has {input.numel()} elements, expected group size {g}"
-            f" x output numel {output.numel()} = {g * output.numel()}"
-        )
+    ranks = _check_full_and_shard(
+        "zero3_reduce_scatter", "input", input, "output", output, group
+    )
     if stats is not None:
         stats.count_call(REDUCE_SCATTER)
         stats.record_ring(REDUCE_SCATTER, ranks, output.numel() * output.element_size())
@@ -105,3 +81,23 @@ def zero3_reduce_scatter(
         reduce_scatter_from(output.view(-1), input.view(-1), rop, group)
 
     return run_protocol(body, async_op, REDUCE_SCATTER, input.device)
+
+
+def _check_full_and_shard(op, full_name, full, shard_name, shard, group):
+    """Validate a (full, shard) pair before the collective; returns the group's global ranks."""
+    named = {full_name: full, shard_name: shard}
+    check_tensor("input", named["input"])
+    check_tensor("output", named["output"])
+    check_same_device(output=named["output"], input=named["input"])
+    if full.dtype != shard.dtype:
+        raise ValueError(
+            f"{op}: output dtype {named['output'].dtype} != input dtype {named['input'].dtype}"
+        )
+    ranks, _ = check_member("group", group)
+    g = len(ranks)
+    if full.numel() != g * shard.numel():
+        raise ValueError(
+            f"{op}: {full_name} has {full.numel()} elements, expected group size {g} x "
+            f"{shard_name} numel {shard.numel()} = {g * shard.numel()}"
+        )
+    return ranks
