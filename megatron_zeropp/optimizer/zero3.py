@@ -25,7 +25,8 @@ from typing import Iterator, List
 import torch
 
 
-def _distributed_optimizers(optimizer) -> Iterator:
+def distributed_optimizers(optimizer) -> Iterator:
+    """The DistributedOptimizer(s) inside ``optimizer`` (a ChainedOptimizer holds several)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = getattr(optimizer, "chained_optimizers", None)
@@ -71,7 +72,7 @@ def attach_to_primary_shards(optimizer) -> None:
     Call once, right after construction, while the weights are still gathered
     (``get_zeropp_optimizer`` does).
     """
-    for opt in _distributed_optimizers(optimizer):
+    for opt in distributed_optimizers(optimizer):
         if opt.is_stub_optimizer:
             continue
         if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):

@@ -28,6 +28,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_zeropp.optimizer import distributed_optimizers
+
 FORMAT_VERSION = 1
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -54,11 +56,6 @@ def _layout() -> Dict[str, int]:
     }
 
 
-def _distributed_optimizers(optimizer) -> List:
-    inner = getattr(optimizer, "chained_optimizers", None)
-    return list(inner) if inner is not None else [optimizer]
-
-
 def _param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
     names = {}
     for c, chunk in enumerate(model_chunks):
@@ -70,7 +67,7 @@ def _param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
 def _owned(optimizer, model_chunks):
     """(name, model param, fp32 main shard, element range) for everything this rank owns."""
     names = _param_names(model_chunks)
-    for opt in _distributed_optimizers(optimizer):
+    for opt in distributed_optimizers(optimizer):
         for mains, models in (
             (opt.shard_fp32_from_float16_groups, opt.model_float16_groups),
             (opt.shard_fp32_groups, opt.model_fp32_groups),
@@ -111,7 +108,7 @@ def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler,
                for k, v in adam.items()},
         }
     scalers = [opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None
-               for opt in _distributed_optimizers(optimizer)]
+               for opt in distributed_optimizers(optimizer)]
     return {
         "format": FORMAT_VERSION,
         "iteration": iteration,
@@ -243,7 +240,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                 "exp_avg": values["exp_avg"].view_as(main).to(main.device).clone(),
                 "exp_avg_sq": values["exp_avg_sq"].view_as(main).to(main.device).clone(),
             }
-    for opt in _distributed_optimizers(optimizer):
+    for opt in distributed_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
     for chunk in model_chunks:
         chunk.start_param_sync(force_sync=True)
@@ -251,7 +248,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_optim:
         if scheduler is not None and first["scheduler"] is not None:
             scheduler.load_state_dict(first["scheduler"])
-        for opt, scaler in zip(_distributed_optimizers(optimizer), first["grad_scalers"]):
+        for opt, scaler in zip(distributed_optimizers(optimizer), first["grad_scalers"]):
             if opt.grad_scaler is not None and scaler is not None:
                 opt.grad_scaler.load_state_dict(scaler)
     if load_rng and single:
