@@ -68,16 +68,30 @@ def _stale_read(ctx):
     _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", ZeroPPConfig(hpz=True))
     train(wrapped, optimizer, 1)  # the optimizer step makes every secondary stale
     unit = wrapped.units[1]
+    # Host side: after a weight change the next gather reads the primary shards, never the
+    # secondary, whatever the phase.
+    wrapped.comm_counts(reset=True)
+    unit.start_gather(wrapped.weight_version, "backward", async_op=False)
+    unit.release()
+    protocols = sorted(wrapped.comm_counts(reset=True)["backward"].calls)
+    # Device side: a secondary whose host-side version lies (claims the current version, holds
+    # the previous one) is read, and the step-end check raises on every rank.
+    wrapped.weights_changed()
+    for sec in unit.secondaries:
+        sec._version = wrapped.weight_version
+    unit.start_gather(wrapped.weight_version, "backward", async_op=False)
+    unit.release()
     try:
-        unit.start_gather(wrapped.weight_version, "backward", async_op=False)
+        wrapped.finish_grad_sync()
     except StaleSecondaryError as e:
-        return str(e)
-    return None
+        return protocols, str(e)
+    return protocols, None
 
 
 def test_reading_a_stale_secondary_raises():
-    messages = run_distributed(_stale_read, 2, 2)
-    assert all(m is not None and "version" in m for m in messages), messages
+    out = run_distributed(_stale_read, 2, 2)
+    assert all(protocols == ["zero3_allgather"] for protocols, _ in out), out
+    assert all(m is not None and "version" in m for _, m in out), out
 
 
 def _broadcast_then_train(ctx, zeropp):

@@ -80,7 +80,7 @@ def zero3_reduce_scatter(
     def body():
         reduce_scatter_from(output.view(-1), input.view(-1), rop, group)
 
-    return run_protocol(body, async_op, REDUCE_SCATTER, input.device)
+    return run_protocol(body, async_op, REDUCE_SCATTER, input.device, lane="reduce", keep=(input,))
 
 
 def _check_full_and_shard(op, full_name, full, shard_name, shard, group):

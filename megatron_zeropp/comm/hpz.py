@@ -22,6 +22,13 @@ Because the check happens on the gathered versions, every rank of the group rais
 local check before the collective would leave the healthy ranks hanging in it. Shapes and dtypes
 are still validated before the collective.
 
+The check has two modes. By default it reads the gathered tags on the host and raises before
+touching ``output`` (a host synchronization per call). With ``stale_flag=`` (a one-element bool
+tensor on the device) the comparison stays on the device and only sets the flag; the training
+layer passes one flag per step and reads it once, before the optimizer step, so steady-state
+gathers never wait on the host. A group of one rank (one DP rank per node) keeps the whole tensor
+and copies it locally: no collective at all.
+
 Slicing: the flattened tensor of ``numel`` elements is split into N slices of
 ``ceil(numel / N)`` elements; the last slices are padded with zeros in storage only, and the
 gather writes exactly ``numel`` elements, bit for bit what :meth:`refresh` was given.
@@ -99,6 +106,10 @@ class SecondaryPartition:
         """Whether this rank's slice holds weights of ``version``."""
         return self._version != _NEVER_FILLED and self._version == version
 
+    def storage_bytes(self) -> int:
+        """Bytes this partition keeps allocated (slice + version tag), from the live storage."""
+        return self._buf.untyped_storage().nbytes()
+
     @property
     def slice_range(self):
         """``(start, stop)`` element range of the full tensor this rank stores (stop exclusive)."""
@@ -134,13 +145,20 @@ class SecondaryPartition:
         self._write_tag(_NEVER_FILLED)
 
     def all_gather(
-        self, output: torch.Tensor, version: int, async_op: bool = False
+        self,
+        output: torch.Tensor,
+        version: int,
+        async_op: bool = False,
+        stale_flag: Optional[torch.Tensor] = None,
+        stats: Optional[CommStats] = None,
     ) -> Optional[CommHandle]:
         """Rebuild the full tensor in ``output`` from the group's slices, intra-node only.
 
         Raises :class:`StaleSecondaryError` on every rank of the group if any rank's slice is not
         at ``version`` (the error surfaces from ``wait()`` when async). The output is bit for bit
-        the tensor given to :meth:`refresh`.
+        the tensor given to :meth:`refresh`. With ``stale_flag`` (bool, one element, on the
+        partition's device) a stale read sets the flag instead of raising, without a host sync.
+        ``stats`` overrides the partition's byte counter for this call.
         """
         _check_version(version)
         check_tensor("output", output, dtypes=(self.dtype,))
@@ -153,24 +171,32 @@ class SecondaryPartition:
             raise ValueError(
                 f"hpZ all_gather: output on {output.device}, partition on {self.device}"
             )
-        if self.stats is not None:
-            self.stats.count_call(ALLGATHER)
-            self.stats.record_ring(ALLGATHER, self.ranks, self._slice_bytes, _TAG_BYTES)
+        if stale_flag is not None and (
+            stale_flag.dtype != torch.bool or stale_flag.numel() != 1
+            or stale_flag.device != self.device
+        ):
+            raise ValueError(
+                f"hpZ all_gather: stale_flag must be one bool on {self.device}, got "
+                f"{stale_flag.dtype} x {stale_flag.numel()} on {stale_flag.device}"
+            )
+        stats = self.stats if stats is None else stats
+        if stats is not None:
+            stats.count_call(ALLGATHER)
+            stats.record_ring(ALLGATHER, self.ranks, self._slice_bytes, _TAG_BYTES)
         send = self._buf  # read by the collective when it runs
 
         def body():
-            recv = torch.empty(self.size, send.numel(), dtype=torch.uint8, device=self.device)
-            all_gather_into(recv, send, self.group)
+            if self.size == 1:
+                recv = send.view(1, -1)
+            else:
+                recv = torch.empty(self.size, send.numel(), dtype=torch.uint8, device=self.device)
+                all_gather_into(recv, send, self.group)
             tag_bytes = recv[:, self._slice_bytes :].clone(memory_format=torch.contiguous_format)
-            tags = tag_bytes.view(torch.int64).view(-1).tolist()
-            bad = {self.ranks[i]: (None if t == _NEVER_FILLED else t) for i, t in enumerate(tags)
-                   if t != version}
-            if bad:
-                raise StaleSecondaryError(
-                    f"hpZ secondary partition read at weight version {version}, but rank(s) "
-                    f"hold version(s) {bad} (None = never filled or invalidated); refresh it from "
-                    "a fresh primary gather first"
-                )
+            tags = tag_bytes.view(torch.int64).view(-1)
+            if stale_flag is not None:
+                stale_flag.logical_or_((tags != version).any())
+            else:
+                _raise_if_stale(self.ranks, tags.tolist(), version)
             nbytes = self.numel * output.element_size()
             output.view(-1).view(torch.uint8).copy_(
                 recv[:, : self._slice_bytes].reshape(-1)[:nbytes]
@@ -192,8 +218,19 @@ class SecondaryPartition:
         self._inflight.clear()
 
     def _write_tag(self, version: int) -> None:
-        self._buf[self._slice_bytes :].copy_(
-            torch.tensor([version], dtype=torch.int64).view(torch.uint8)
+        # Filled on the device (a kernel with the value as argument): no host-to-device copy.
+        tag = torch.full((1,), version, dtype=torch.int64, device=self.device)
+        self._buf[self._slice_bytes :].copy_(tag.view(torch.uint8))
+
+
+def _raise_if_stale(ranks, tags, version) -> None:
+    bad = {ranks[i]: (None if t == _NEVER_FILLED else t) for i, t in enumerate(tags)
+           if t != version}
+    if bad:
+        raise StaleSecondaryError(
+            f"hpZ secondary partition read at weight version {version}, but rank(s) "
+            f"hold version(s) {bad} (None = never filled or invalidated); refresh it from "
+            "a fresh primary gather first"
         )
 
 

@@ -176,7 +176,7 @@ def qgz_reduce_scatter(
             total.div_(plan.dp_size)
         output.view(-1).copy_(total.view(-1))
 
-    return run_protocol(body, async_op, REDUCE_SCATTER, input.device)
+    return run_protocol(body, async_op, REDUCE_SCATTER, input.device, lane="reduce", keep=(input,))
 
 
 def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me) -> None:

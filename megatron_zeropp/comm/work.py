@@ -1,43 +1,59 @@
-"""Async handles and the per-process FIFO communication thread.
+"""Where protocol calls run: CUDA streams with events, or one FIFO thread on CPU.
 
-A protocol call is a Python function that issues one or more blocking collectives and some local
-math (quantize, dequantize, sum). ``async_op=True`` runs that function on a single background
-thread per process and returns a :class:`CommHandle`; ``async_op=False`` runs it in the caller's
-thread (or, when async work is still queued, queues it behind that work and waits).
+A protocol call is a Python function ``fn`` that issues one or more collectives and some local
+math (quantize, dequantize, sum) on tensors of one device. :func:`run_protocol` runs it on one of
+two backends, chosen by that device; this docstring is the one place the design is described.
 
-Ordering rule
--------------
+CUDA: streams and events, all from the calling thread
+------------------------------------------------------
+Every call runs *now*, on the calling (main) thread, with the current stream switched to the
+call's **lane**: a dedicated stream per device for weight gathers (``"gather"``) and one for
+gradient reductions (``"reduce"``). Ordering is by CUDA events in both directions:
+
+* before ``fn`` the lane waits for the caller's current stream (the gather starts only after the
+  kernels that last wrote its input, e.g. the optimizer's update of the primary shard);
+* after ``fn`` an event is recorded on the lane; ``handle.wait()`` makes the caller's current
+  stream wait for it (compute starts only after the gather landed). ``async_op=False`` does that
+  wait at once. Neither blocks the host: NCCL collectives issued with ``async_op=False`` are
+  stream-ordered, so the host never waits in the steady state.
+
+Tensors that ``fn`` reads or writes and that the caller allocated on another stream stay alive
+until the lane is done with them: the caller either holds them until after ``wait()`` (the
+unit's full weights, the persistent shards) or lists them in ``keep`` so the caching allocator
+does not reuse their memory before the lane's work on them finishes (``record_stream``).
+Temporaries that ``fn`` allocates are allocated and freed on the lane.
+
+CPU (gloo): one FIFO thread
+---------------------------
+``async_op=True`` queues ``fn`` on a single background thread per process and returns a handle;
+``async_op=False`` runs it in the caller's thread (or, when async work is still queued, queues it
+behind that work and waits). gloo collectives block their thread, so this is what lets CPU runs
+overlap communication with compute.
+
+Ordering rule (both backends)
+-----------------------------
 Collectives must be issued in the same order on every rank of a group. Every call made through
-this module, sync or async, is executed in *program order* on each rank: one FIFO thread, and a
-sync call waits for the queued async calls to run first. So the caller must respect one rule:
-
-    While a call from this module is pending (async handle not yet waited on), do not issue any
-    other collective on the same process groups by other means (raw ``torch.distributed`` calls,
-    other threads), because it could overtake or be overtaken by the queued one on some ranks.
-
-Collectives on *other* groups may be issued freely. ``wait()`` every handle before reading the
-output or modifying the input (the thread reads the input when the call runs, not when it is
-queued).
-
-On CUDA the queued call runs on the caller's current device and stream at the time of the call,
-so it is ordered after the kernels that produced its input (even on a side stream). The CI tests
-run on gloo/CPU; the CUDA path was checked by hand on one H200 (NCCL with one rank, gloo with two
-ranks on CUDA tensors), not on several GPUs.
+this module is issued in *program order* on each rank (CUDA: by the calling thread; CPU: one FIFO
+thread, and a sync call waits for the queued calls first). While a call is pending (handle not yet
+waited on), do not issue another collective on the same process groups by other means (raw
+``torch.distributed`` calls, other threads): on CPU it could overtake the queued one. ``wait()``
+every handle before reading the output or modifying the input.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+LANES = ("gather", "reduce")
+
 
 class CommHandle:
-    """Handle of an async protocol call, shaped like ``torch.distributed.Work``."""
+    """Handle of an async protocol call on CPU, shaped like ``torch.distributed.Work``."""
 
     def __init__(self, future: concurrent.futures.Future, name: str):
         self._future = future
@@ -56,6 +72,26 @@ class CommHandle:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"CommHandle({self.name}, {state})"
+
+
+class CudaCommHandle:
+    """Handle of an async protocol call on a CUDA lane: an event, never a host wait."""
+
+    def __init__(self, event: "torch.cuda.Event", name: str):
+        self.event = event
+        self.name = name
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Make the caller's current stream wait for the call (no host synchronization)."""
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the lane has finished the call (queries the event; does not block)."""
+        return self.event.query()
+
+    def __repr__(self) -> str:
+        return f"CudaCommHandle({self.name})"
 
 
 class _CommThread:
@@ -103,18 +139,44 @@ def _queued_busy() -> bool:
     return t is not None and t.pid == os.getpid() and t.busy()
 
 
-def _device_context(device: Optional[torch.device]):
-    """Context reproducing the caller's CUDA device and stream in the comm thread."""
-    if device is None or device.type != "cuda":
-        return contextlib.nullcontext
-    stream = torch.cuda.current_stream(device)
+def _on_comm_thread() -> bool:
+    t = _THREAD
+    return t is not None and t.pid == os.getpid() and threading.current_thread().name.startswith(
+        "zeropp-comm"
+    )
 
-    @contextlib.contextmanager
-    def ctx():
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            yield
 
-    return ctx
+_LANE_STREAMS: Dict[Tuple[int, str], "torch.cuda.Stream"] = {}
+
+
+def lane_stream(device: torch.device, lane: str) -> "torch.cuda.Stream":
+    """The dedicated stream of ``lane`` (``"gather"`` or ``"reduce"``) on a CUDA ``device``."""
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    key = (index, lane)
+    stream = _LANE_STREAMS.get(key)
+    if stream is None:
+        stream = torch.cuda.Stream(device=index)
+        _LANE_STREAMS[key] = stream
+    return stream
+
+
+def _run_on_lane(fn, async_op, name, device, lane, keep):
+    stream = lane_stream(device, lane)
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)
+    with torch.cuda.stream(stream), torch.no_grad():
+        fn()
+    for t in keep:
+        t.record_stream(stream)
+    done = torch.cuda.Event()
+    done.record(stream)
+    if not async_op:
+        caller.wait_event(done)
+        return None
+    return CudaCommHandle(done, name)
 
 
 def run_protocol(
@@ -122,19 +184,31 @@ def run_protocol(
     async_op: bool,
     name: str,
     device: Optional[torch.device] = None,
-) -> Optional[CommHandle]:
-    """Run a validated protocol body now (sync) or on the FIFO comm thread (async).
+    lane: str = "gather",
+    keep: Iterable[torch.Tensor] = (),
+):
+    """Run a validated protocol body on its device's backend (see the module docstring).
 
-    ``fn`` must be fully validated already: it is the part that issues collectives. Returns
-    ``None`` when sync, a :class:`CommHandle` when async.
+    ``fn`` must be fully validated already: it is the part that issues collectives. ``lane``
+    picks the CUDA stream (``"gather"`` or ``"reduce"``); ``keep`` lists caller-owned tensors
+    the body uses that the caller may free before waiting. Returns ``None`` when sync, a handle
+    (:class:`CudaCommHandle` on CUDA, :class:`CommHandle` on CPU) when async.
     """
-    dev_ctx = _device_context(device)
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
+    if device is not None and torch.device(device).type == "cuda":
+        return _run_on_lane(fn, async_op, name, torch.device(device), lane, tuple(keep))
 
     def body():
         # Grad mode is thread-local and on by default in a new thread; collectives never need it.
-        with torch.no_grad(), dev_ctx():
+        with torch.no_grad():
             fn()
 
+    if _on_comm_thread():
+        # A protocol composed of others (e.g. reduce then accumulate) already runs on the FIFO
+        # thread: its inner calls run inline, in order.
+        body()
+        return None
     if async_op:
         return CommHandle(_comm_thread().submit(body), name)
     if _queued_busy():

@@ -4,14 +4,18 @@ megatron-core's distributed optimizer already shards what ZeRO needs sharded: fp
 Adam moments (chunk r of every bucket on DP rank r), gradients read from chunk r of the grad
 buffer, clipping and loss scaling. It assumes the full 16-bit weights stay resident: it slices its
 shard views out of them and, after each step, writes the new 16-bit values into the full param
-buffer for an all-gather. Under ZeRO-3 the full weights exist only during a gather, so two small
-hooks redirect those two places to the unit's persistent primary shard (which holds exactly chunk
-r of each bucket):
+buffer for an all-gather. Under ZeRO-3 the full weights exist only during a gather, so
+:class:`ZeroPPDistributedOptimizer` (a subclass the optimizer is switched to after construction)
+redirects those places to the unit's persistent primary shard (which holds exactly chunk r of
+each bucket):
 
 1. after construction, the optimizer's 16-bit shard views (and, for fp32 models, the fp32 shards
    Adam updates in place) are re-pointed at the primary shard;
 2. ``_copy_main_params_to_model_params`` writes the updated fp32 main params into the primary
-   shard instead of the (freed) full buffer.
+   shard instead of the (freed) full buffer;
+3. with ``shard_grads``, ``_copy_model_grads_to_main_grads`` reads each parameter's gradient from
+   the fp32 gradient shard (its ``main_grad`` points there after ``finish_grad_sync``) instead of
+   slicing a full gradient buffer that no longer exists.
 
 Everything else (Adam, clipping, grad norm, loss scaler, skipping on Inf/NaN) is megatron-core's.
 """
@@ -19,7 +23,7 @@ Everything else (Adam, clipping, grad norm, loss scaler, skipping on Inf/NaN) is
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 from typing import Iterator, List
 
 import torch
@@ -56,14 +60,45 @@ def _primary_view(opt, model_param) -> torch.Tensor:
     return shard[lo : lo + world.size]
 
 
-def _copy_main_params_to_primary_shards(self) -> None:
-    # Replaces DistributedOptimizer._copy_main_params_to_model_params on ZeRO++ optimizers.
-    for main_group, model_group in zip(
-        self.shard_fp32_from_float16_groups, self.model_float16_groups
-    ):
-        for main, model_param in zip(main_group, model_group):
-            _primary_view(self, model_param).copy_(main.view(-1))
-    # fp32 parameters: Adam updated the primary shard in place (attach_to_primary_shards).
+@functools.lru_cache(maxsize=None)
+def _zeropp_optimizer_class():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class ZeroPPDistributedOptimizer(DistributedOptimizer):
+        """megatron-core's DistributedOptimizer over ZeRO-3 primary (and gradient) shards."""
+
+        def _copy_main_params_to_model_params(self) -> None:
+            for main_group, model_group in zip(
+                self.shard_fp32_from_float16_groups, self.model_float16_groups
+            ):
+                for main, model_param in zip(main_group, model_group):
+                    _primary_view(self, model_param).copy_(main.view(-1))
+            # fp32 parameters: Adam updated the primary shard in place (attach_to_primary_shards).
+
+        def _copy_model_grads_to_main_grads(self) -> None:
+            if not _has_grad_shards(self):
+                return super()._copy_model_grads_to_main_grads()
+            for model_groups, main_groups in (
+                (self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                (self.model_fp32_groups, self.shard_fp32_groups),
+            ):
+                for model_group, main_group in zip(model_groups, main_groups):
+                    for model_param, main_param in zip(model_group, main_group):
+                        grad = model_param.main_grad  # the fp32 shard slice (finish_grad_sync)
+                        if grad.numel() != main_param.numel() or grad.dtype != torch.float32:
+                            raise RuntimeError(
+                                f"gradient shard of {tuple(model_param.shape)} has "
+                                f"{grad.numel()} {grad.dtype} elements, the optimizer shard "
+                                f"{main_param.numel()}: finish_grad_sync did not run"
+                            )
+                        main_param.grad = grad.view(main_param.shape)
+
+    return ZeroPPDistributedOptimizer
+
+
+def _has_grad_shards(opt) -> bool:
+    return any(getattr(b, "zeropp_grad_shard", None) is not None
+               for buf in opt.buffers for b in buf.buckets)
 
 
 def attach_to_primary_shards(optimizer) -> None:
@@ -92,9 +127,7 @@ def attach_to_primary_shards(optimizer) -> None:
                             "inside ZeroPPDataParallel.gathered_parameters()"
                         )
                     shard.data = view
-        opt._copy_main_params_to_model_params = types.MethodType(
-            _copy_main_params_to_primary_shards, opt
-        )
+        opt.__class__ = _zeropp_optimizer_class()
 
 
 def get_zeropp_optimizer(config, model_chunks: List, **kwargs):

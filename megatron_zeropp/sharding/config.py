@@ -43,6 +43,11 @@ class ZeroPPConfig:
     """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
     reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
     ``set_training_progress``; 1.0 = always."""
+    shard_grads: bool = False
+    """Reduce each unit's gradients as soon as its backward is complete, in every micro-batch,
+    into a persistent fp32 shard of 1/Z; the full gradients of a unit exist only while its
+    backward runs. Off: megatron-core's full gradient buffers, reduced once per step (fewest
+    bytes with gradient accumulation)."""
     prefetch_depth: int = 1
     """Units whose weight gather is issued ahead of the one computing (0 = no prefetch)."""
     unit: str = "layer"
@@ -51,7 +56,7 @@ class ZeroPPConfig:
     chunk is one unit (megatron-core's own buffer layout; useful for exact comparisons)."""
 
     def __post_init__(self):
-        for name in ("qwz", "hpz", "qgz"):
+        for name in ("qwz", "hpz", "qgz", "shard_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("qwz_bits", "qgz_intra_bits", "qgz_inter_bits"):
@@ -89,4 +94,6 @@ class ZeroPPConfig:
             parts.append(
                 f"qgZ INT{self.qgz_intra_bits}/INT{self.qgz_inter_bits}/{self.qgz_block_size}{frac}"
             )
+        if self.shard_grads:
+            parts.append("sharded grads")
         return "ZeRO-3" + (" + " + " + ".join(parts) if parts else "")

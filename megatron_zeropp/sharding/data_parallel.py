@@ -2,16 +2,18 @@
 
 Data flow of one unit (≈ one transformer layer) in one training step::
 
-    forward pre-hook    gather full weights from the primary shards over the DP group
-                        (qwZ: INT8 blocks; prefetch the next unit asynchronously)
-                        hpZ: keep this rank's node-local slice of what was gathered
+    forward pre-hook    gather full weights: the first time in a step from the primary shards
+                        over the DP group (qwZ: INT8 blocks), keeping this rank's node-local
+                        slice (hpZ); later in the step from that slice, inside the node;
+                        prefetch the next unit asynchronously
     forward post-hook   release the full weights; hook the outputs for backward
-    output grad hook    gather again: hpZ secondary inside the node, else as in forward
-                        (prefetch the previous unit)
+    output grad hook    gather again (hpZ: inside the node), prefetch the previous unit
     grad accumulation   megatron-core's main_grad; when the unit's last grad arrived,
                         release the weights; on the last micro-batch the unit's buckets are
                         reduce-scattered (qgZ: 2-hop INT4 all-to-all) into chunk r of the
-                        grad buffer, where DistributedOptimizer reads it
+                        grad buffer, where DistributedOptimizer reads it. With shard_grads,
+                        every micro-batch reduces the unit at once into an fp32 shard and
+                        frees its full gradients.
     optimizer step      DistributedOptimizer updates its fp32 shard and writes the 16-bit
                         result into the primary shard (see optimizer/zero3.py);
                         start_param_sync() then bumps the weight version, which makes every
@@ -150,9 +152,13 @@ class ZeroPPDataParallel(_BaseDataParallel):
         for unit in reversed(self.units):
             i = 0
             for buf in unit.buffers:
-                shards = unit.shards[i : i + len(buf.buckets)]
-                i += len(buf.buckets)
-                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append((buf, shards))
+                k = len(buf.buckets)
+                shards = unit.shards[i : i + k]
+                grad_shards = unit.grad_shards[i : i + k] if unit.shard_grads else [None] * k
+                i += k
+                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append(
+                    (buf, shards, grad_shards)
+                )
         self.buffers = [CombinedBuffer(pd, gd, p) for (pd, gd), p in parts.items()]
         self.expert_parallel_buffers: list = []
         self.bucket_groups = [
@@ -185,15 +191,6 @@ class ZeroPPDataParallel(_BaseDataParallel):
             self.grad_accs.append(acc)
 
     # -- gather scheduling -----------------------------------------------------------------
-    def _acquire(self, unit: ShardedUnit, phase: str) -> None:
-        unit.ensure(self.weight_version, phase)
-        unit.users += 1
-
-    def _release_use(self, unit: ShardedUnit) -> None:
-        unit.users -= 1
-        if unit.users == 0 and not unit.in_backward:
-            unit.release()
-
     def _prefetch(self, unit: ShardedUnit, phase: str) -> None:
         depth = self.zeropp.prefetch_depth
         if depth == 0 or not self._order_frozen or unit not in self._forward_order:
@@ -215,12 +212,12 @@ class ZeroPPDataParallel(_BaseDataParallel):
                 self._order_frozen = True
             else:
                 self._forward_order.append(unit)
-        self._acquire(unit, "forward")
+        unit.acquire(self.weight_version, "forward")
         self._prefetch(unit, "forward")
 
     def _root_post_hook(self, module, args, output):
         unit = self._root_to_unit[id(module)]
-        self._release_use(unit)
+        unit.release_use()
         if torch.is_grad_enabled():
             self._gather_before_backward(output, [unit])
         return None
@@ -236,14 +233,14 @@ class ZeroPPDataParallel(_BaseDataParallel):
             if unit is not None and unit.users == 0 and unit not in needed:
                 needed.append(unit)
         for unit in needed:
-            self._acquire(unit, "forward")
+            unit.acquire(self.weight_version, "forward")
         self._call_stack.setdefault(id(module), []).append(needed)
         return None
 
     def _use_post_hook(self, module, args, output):
         needed = self._call_stack[id(module)].pop()
         for unit in needed:
-            self._release_use(unit)
+            unit.release_use()
         if needed and torch.is_grad_enabled():
             self._gather_before_backward(output, needed)
         return None
@@ -260,26 +257,22 @@ class ZeroPPDataParallel(_BaseDataParallel):
             t.register_hook(hook)
 
     def _acquire_for_backward(self, unit: ShardedUnit) -> None:
-        if unit.in_backward:  # another output of the same call already gathered it
-            unit.wait()
-            return
-        # Prefetched, or still gathered from forward: the same bits either way, reuse them.
-        unit.ensure(self.weight_version, "backward")
-        unit.in_backward = True
-        unit.grads_pending = {p for p in unit.params if p.requires_grad}
-        self._prefetch(unit, "backward")
+        if unit.begin_backward(self.weight_version):
+            self._prefetch(unit, "backward")
 
     def _make_grad_hook(self, param):
         def hook(*unused):
             if param.grad is not None and not param.grad_added_to_main_grad:
                 param.main_grad.add_(param.grad.data)
             param.grad = None
+            unit = self.param_to_unit[param]
+            if self.zeropp.shard_grads:
+                if unit.grad_ready(param):
+                    unit.start_grad_reduce(async_op=bool(self.ddp_config.overlap_grad_reduce))
+                return
             if self.ddp_config.overlap_grad_reduce:
                 self.param_to_bucket_group[param].register_grad_ready(param, False)
-            unit = self.param_to_unit[param]
-            unit.grads_pending.discard(param)
-            if unit.in_backward and not unit.grads_pending and unit.users == 0:
-                unit.release()
+            unit.grad_ready(param)
 
         return hook
 
@@ -297,14 +290,28 @@ class ZeroPPDataParallel(_BaseDataParallel):
 
     def start_grad_sync(self, *unused):
         """Launch every unit's gradient reduction."""
+        if self.zeropp.shard_grads:
+            for unit in reversed(self.units):
+                unit.start_grad_reduce(async_op=True)
+            return
         for group in self.bucket_groups:
             group.start_grad_sync()
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
-        """Finish gradient reductions; release any weights still gathered."""
-        for group in self.bucket_groups:
-            group.finish_grad_sync(force_all_reduce=force_all_reduce)
+        """Finish gradient reductions; release any weights still gathered; raise if an hpZ read
+        of this step saw a stale secondary (the step's one host read of that flag)."""
+        if self.zeropp.shard_grads:
+            if force_all_reduce:
+                raise ValueError("force_all_reduce is not supported by the ZeRO++ layer")
+            for unit in reversed(self.units):
+                unit.start_grad_reduce(async_op=False)  # leftovers (e.g. unused parameters)
+                unit.finish_grad_reduce()
+                unit.point_main_grads_at_shards()
+        else:
+            for group in self.bucket_groups:
+                group.finish_grad_sync(force_all_reduce=force_all_reduce)
         self.release_all()
+        self.comm.check_stale()
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """The optimizer wrote new primary shards: weights of the next forward are a new
@@ -319,16 +326,23 @@ class ZeroPPDataParallel(_BaseDataParallel):
         for p in self.params_with_grad:
             p.grad_added_to_main_grad = False
         for unit in self.units:
-            for buf in unit.buffers:
-                buf.reset()
+            if self.zeropp.shard_grads:
+                unit.zero_grad_shards()
+            else:
+                for buf in unit.buffers:
+                    buf.reset()
         for group in self.bucket_groups:
             group.reset()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale all gradients by ``scaling_factor``."""
         for unit in self.units:
-            for buf in unit.buffers:
-                buf.scale_gradients(scaling_factor)
+            if self.zeropp.shard_grads:
+                for g in unit.grad_shards:
+                    g.mul_(scaling_factor)
+            else:
+                for buf in unit.buffers:
+                    buf.scale_gradients(scaling_factor)
 
     def broadcast_params(self):
         """Make every DP rank hold DP rank 0's weights (then re-shard).
@@ -362,9 +376,7 @@ class ZeroPPDataParallel(_BaseDataParallel):
         self.release_all()
         try:
             for unit in self.units:
-                unit.start_gather(self.weight_version, "exact", async_op=False)
-                unit.wait()
-                unit.users += 1
+                unit.acquire(self.weight_version, "exact")
             yield
             if write_back:
                 for unit in self.units:

@@ -5,12 +5,25 @@ Storage of one unit, per (param dtype, grad dtype) buffer::
     persistent:  primary shard  = chunk r of every bucket (16-bit, numel/Z)   [ZeRO-3]
                  secondary      = slice j of every bucket over the hpZ group   [hpZ only, numel/N]
                  grad buffer    = megatron-core's main_grad views (full size, like its DDP)
+                 or grad shard  = chunk r of every bucket, fp32 (numel/Z)      [shard_grads]
     transient:   param storage  = the full bucket, allocated for a gather, freed on release
+                 grad storage   = the full bucket's gradients while its backward runs
+                                  [shard_grads only; otherwise persistent]
 
 The parameters keep pointing at views of the buffer's ``param_data``; releasing resizes that
 storage to zero bytes, so a parameter read outside a gather fails loudly instead of reading stale
 data, and a gather resizes it back and fills it in place (the views stay valid; autograd's saved
-tensors see the re-gathered values).
+tensors see the re-gathered values). ``main_grad`` views work the same way with ``shard_grads``.
+
+Where a gather reads from (:meth:`ShardedUnit.start_gather`): the hpZ secondary whenever it holds
+the current weight version, the primary shards over the whole DP group otherwise (qwZ when on),
+which then refreshes the secondary. So with hpZ the first gather of a unit in an optimizer step
+crosses nodes and every later one (its backward, the other micro-batches) stays in the node, and
+all of them see the same bits.
+
+The unit is the one owner of its state machine: storage (released / gathering / gathered), who
+uses the weights (forward users, a running backward), which gradients are still to come, and the
+gradient reduction in flight.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from megatron_zeropp.comm import (
     zero3_all_gather,
     zero3_reduce_scatter,
 )
+from megatron_zeropp.comm.work import run_protocol
 
 from .config import ZeroPPConfig
 
@@ -50,6 +64,28 @@ class ShardComm:
         self.dp_rank = groups.dp_ranks.index(torch.distributed.get_rank())
         self.stats: Dict[str, CommStats] = {p: CommStats(topology) for p in PHASES}
         self.qgz_active = config.qgz
+        self._stale_flags: Dict[torch.device, torch.Tensor] = {}
+
+    def stale_flag(self, device: torch.device) -> torch.Tensor:
+        """The device-side flag hpZ reads set when a secondary was stale (checked once a step)."""
+        flag = self._stale_flags.get(device)
+        if flag is None:
+            flag = torch.zeros(1, dtype=torch.bool, device=device)
+            self._stale_flags[device] = flag
+        return flag
+
+    def check_stale(self) -> None:
+        """Raise if any hpZ read since the last check saw a stale secondary (one host read per
+        device; called once per step, before the optimizer uses the gradients)."""
+        for flag in self._stale_flags.values():
+            if bool(flag.item()):
+                flag.zero_()
+                from megatron_zeropp.comm import StaleSecondaryError
+
+                raise StaleSecondaryError(
+                    "an hpZ secondary partition was read at a weight version another rank of its "
+                    "group did not hold: the gradients of this step are not to be trusted"
+                )
 
     def gather_weights(self, output, shard, phase: str, async_op: bool):
         """All-gather a bucket's primary shards (qwZ or plain; plain and uncounted for
@@ -75,6 +111,25 @@ class ShardComm:
         return zero3_reduce_scatter(
             output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
         )
+
+    def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool):
+        """Reduce-scatter ``full`` and add this rank's chunk, in fp32, into ``shard``.
+
+        One call on the reduction lane (the temporary chunk lives and dies there); ``full`` is
+        kept alive for the lane, so the caller may free it right after issuing.
+        """
+        if self.dp_size == 1:
+            def body():
+                shard.add_(full.view(-1))
+        else:
+            out_dtype = torch.float32 if self.qgz_active else full.dtype
+
+            def body():
+                chunk = torch.empty(shard.numel(), dtype=out_dtype, device=full.device)
+                self.reduce_gradients(chunk, full, async_op=False)
+                shard.add_(chunk)
+
+        return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
 
 
 class UnitState(enum.Enum):
@@ -109,21 +164,35 @@ class ShardedUnit:
         if comm.config.hpz:
             self.secondaries = [
                 SecondaryPartition(
-                    comm.groups.hpz, b.param_data.numel(), b.param_data.dtype,
-                    b.param_data.device, stats=comm.stats["backward"],
+                    comm.groups.hpz, b.param_data.numel(), b.param_data.dtype, b.param_data.device
                 )
                 for b in self.buckets
             ]
         self._nbytes = [buf.param_data.untyped_storage().nbytes() for buf in buffers]
+        self.shard_grads = comm.config.shard_grads
+        self.grad_shards: List[torch.Tensor] = []
+        if self.shard_grads:
+            self.grad_shards = [
+                torch.zeros(b.grad_data.numel() // z, dtype=torch.float32,
+                            device=b.grad_data.device)
+                for b in self.buckets
+            ]
+            self._grad_nbytes = [buf.grad_data.untyped_storage().nbytes() for buf in buffers]
+            self._full_main_grads = {p: p.main_grad for p in self.params}
+            self._shard_main_grads = self._shard_views()
+            self._free_grads()
         self.state = UnitState.GATHERED
         self.version: Optional[int] = None  # weight version of the gathered data
         self.phase: Optional[str] = None
         self._handles: list = []
+        self._refresh_after_wait = False
         self.users = 0
         self.in_backward = False  # acquired by a backward pass, released by its last grad
         self.grads_pending: set = set()
+        self._grads_live = False  # shard_grads: full grads allocated, not yet reduced
+        self._grad_handle = None
 
-    # -- storage ---------------------------------------------------------------------------
+    # -- weight storage --------------------------------------------------------------------
     def _alloc(self) -> None:
         for buf, nbytes in zip(self.buffers, self._nbytes):
             storage = buf.param_data.untyped_storage()
@@ -143,14 +212,13 @@ class ShardedUnit:
         self.grads_pending = set()
 
     def persistent_bytes(self) -> Dict[str, int]:
-        """Bytes this unit keeps between uses: primary shards, secondary slices, gradients."""
+        """Bytes this unit keeps between uses: primary shards, secondary slices, gradients,
+        read from the live storages (a freed gradient buffer counts 0)."""
         return {
-            "primary": sum(s.numel() * s.element_size() for s in self.shards),
-            "secondary": sum(
-                s.slice_numel * torch.empty((), dtype=s.dtype).element_size()
-                for s in self.secondaries if s is not None
-            ),
-            "grad": sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers),
+            "primary": sum(s.untyped_storage().nbytes() for s in self.shards),
+            "secondary": sum(s.storage_bytes() for s in self.secondaries if s is not None),
+            "grad": sum(buf.grad_data.untyped_storage().nbytes() for buf in self.buffers)
+            + sum(g.untyped_storage().nbytes() for g in self.grad_shards),
         }
 
     def gathered_bytes(self) -> int:
@@ -158,45 +226,59 @@ class ShardedUnit:
         return sum(buf.param_data.untyped_storage().nbytes() for buf in self.buffers)
 
     # -- gathers ---------------------------------------------------------------------------
+    def _secondaries_fresh(self, version: int) -> bool:
+        secs = [s for s in self.secondaries if s is not None]
+        return bool(secs) and all(s.is_fresh(version) for s in secs)
+
     def start_gather(self, version: int, phase: str, async_op: bool) -> None:
         """Allocate and start filling the full weights for ``phase`` at weight ``version``.
 
-        Backward gathers read the hpZ secondary (intra-node) when hpZ is on; everything else reads
-        the primary shards over the whole DP group, through qwZ when it is on. Both give the same
-        bits as the forward gather of this version, so autograd sees one set of weights.
+        Reads the hpZ secondary (intra-node) when it holds ``version``; otherwise the primary
+        shards over the whole DP group, through qwZ when it is on, and then keeps this rank's
+        slice as the new secondary. Both give the same bits, so autograd sees one set of weights
+        and every micro-batch of a step computes with the same weights. ``phase="exact"`` always
+        reads the primary shards unquantized and leaves the secondary alone.
         """
         if self.state is not UnitState.RELEASED:
             raise RuntimeError(f"unit {self.name}: gather started while {self.state.value}")
         self._alloc()
         handles = []
+        from_secondary = phase != "exact" and self._secondaries_fresh(version)
         for i, bucket in enumerate(self.buckets):
-            sec = self.secondaries[i]
-            if phase == "backward" and sec is not None:
-                handles.append(sec.all_gather(bucket.param_data, version, async_op))
+            if from_secondary:
+                sec = self.secondaries[i]
+                handles.append(sec.all_gather(
+                    bucket.param_data, version, async_op,
+                    stale_flag=self.comm.stale_flag(bucket.param_data.device),
+                    stats=self.comm.stats[phase],
+                ))
             else:
                 handles.append(
                     self.comm.gather_weights(bucket.param_data, self.shards[i], phase, async_op)
                 )
         self._handles = [h for h in handles if h is not None]
+        self._refresh_after_wait = not from_secondary and phase != "exact"
         self.state = UnitState.GATHERING
         self.version = version
         self.phase = phase
 
     def wait(self) -> None:
-        """Finish an in-flight gather; refresh stale hpZ secondaries from a primary gather."""
+        """Finish an in-flight gather (on CUDA: order the current stream after it); refresh the
+        hpZ secondaries after a primary gather."""
         if self.state is not UnitState.GATHERING:
             return
         handles, self._handles = self._handles, []
         for h in handles:
             h.wait()
         self.state = UnitState.GATHERED
-        if self.phase == "forward":
+        if self._refresh_after_wait:
+            self._refresh_after_wait = False
             for i, sec in enumerate(self.secondaries):
-                if sec is not None and not sec.is_fresh(self.version):
+                if sec is not None:
                     sec.refresh(self.buckets[i].param_data, self.version)
 
     def ensure(self, version: int, phase: str) -> None:
-        """Make the full weights of ``version`` present (gather synchronously if needed)."""
+        """Make the full weights of ``version`` present (gather now if needed)."""
         if self.state is not UnitState.RELEASED and self.version != version:
             raise RuntimeError(
                 f"unit {self.name} holds weights of version {self.version}, needs {version}: "
@@ -205,6 +287,126 @@ class ShardedUnit:
         if self.state is UnitState.RELEASED:
             self.start_gather(version, phase, async_op=False)
         self.wait()
+
+    # -- users ------------------------------------------------------------------------------
+    def acquire(self, version: int, phase: str) -> None:
+        """A forward call starts using the weights."""
+        self.ensure(version, phase)
+        self.users += 1
+
+    def release_use(self) -> None:
+        """A forward call is done with the weights; free them unless a backward holds them."""
+        self.users -= 1
+        if self.users == 0 and not self.in_backward:
+            self.release()
+
+    def begin_backward(self, version: int) -> bool:
+        """The backward pass reached this unit's outputs: make the weights present and expect
+        every trainable parameter's gradient. Returns False if this backward already began
+        (another output of the same call), True the first time."""
+        if self.in_backward:
+            self.wait()
+            return False
+        # Prefetched, or still gathered from forward: the same bits either way, reuse them.
+        self.ensure(version, "backward")
+        self.in_backward = True
+        self.grads_pending = {p for p in self.params if p.requires_grad}
+        if self.shard_grads:
+            self._alloc_grads()
+        return True
+
+    def grad_ready(self, param) -> bool:
+        """``param``'s gradient of this backward is in ``main_grad``. Returns True when it was
+        the last one: the weights are released (if no forward uses them) and, with
+        ``shard_grads``, the caller reduces the unit's gradients."""
+        self.grads_pending.discard(param)
+        if not self.in_backward or self.grads_pending:
+            return False
+        if self.users == 0:
+            self.release()
+        else:
+            self.in_backward = False
+        return True
+
+    # -- sharded gradients ------------------------------------------------------------------
+    def _shard_views(self) -> Dict[torch.nn.Parameter, torch.Tensor]:
+        """Each parameter's part of chunk r of its bucket, as a 1-D view of the grad shard
+        (empty when the parameter lies outside chunk r)."""
+        views = {}
+        for buf in self.buffers:
+            for p, (start, end, bucket_id) in buf.param_index_map.items():
+                bucket = buf.buckets[bucket_id]
+                k = self.buckets.index(bucket)
+                shard = self.grad_shards[k]
+                c = shard.numel()
+                lo_chunk = bucket.offset + self.comm.dp_rank * c
+                lo, hi = max(start, lo_chunk), min(end, lo_chunk + c)
+                views[p] = shard[lo - lo_chunk : max(lo, hi) - lo_chunk]
+        return views
+
+    def grad_shard_view(self, param) -> torch.Tensor:
+        """``param``'s slice of this rank's fp32 gradient shard (``shard_grads`` only)."""
+        return self._shard_main_grads[param]
+
+    def _alloc_grads(self) -> None:
+        self.finish_grad_reduce()  # the previous micro-batch's reduction read these buffers
+        if self._grads_live:
+            return  # gradients of an unfinished backward (unused params): keep accumulating
+        for buf, nbytes in zip(self.buffers, self._grad_nbytes):
+            buf.grad_data.untyped_storage().resize_(nbytes)
+            buf.grad_data.zero_()
+        for p in self.params:
+            p.main_grad = self._full_main_grads[p]
+        self._grads_live = True
+
+    def _free_grads(self) -> None:
+        for buf in self.buffers:
+            buf.grad_data.untyped_storage().resize_(0)
+
+    def start_grad_reduce(self, async_op: bool) -> None:
+        """Scale, reduce-scatter and accumulate this micro-batch's gradients into the fp32 shard,
+        then free the full gradients (on CUDA at once: the lane keeps them alive; on CPU after
+        the reduction finished)."""
+        if not self._grads_live:
+            return
+        self.finish_grad_reduce()
+        handles = []
+        for bucket, shard in zip(self.buckets, self.grad_shards):
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+            handles.append(self.comm.reduce_and_accumulate(shard, bucket.grad_data, async_op))
+        self._grads_live = False
+        handles = [h for h in handles if h is not None]
+        on_cuda = self.buckets[0].grad_data.device.type == "cuda"
+        if on_cuda or not handles:
+            self._free_grads()
+            self._grad_handle = handles or None
+        else:
+            self._grad_handle = handles
+
+    def finish_grad_reduce(self) -> None:
+        """Wait for this unit's gradient reduction in flight (stream wait on CUDA)."""
+        if self._grad_handle is None:
+            return
+        handles, self._grad_handle = self._grad_handle, None
+        for h in handles:
+            h.wait()
+        if not self._grads_live:
+            self._free_grads()
+
+    def point_main_grads_at_shards(self) -> None:
+        """After the step's last reduction: ``main_grad`` = this rank's fp32 shard slice, so
+        ``finalize_model_grads``' TP/PP all-reduces and the optimizer read the shard."""
+        for p in self.params:
+            p.main_grad = self._shard_main_grads[p]
+
+    def zero_grad_shards(self) -> None:
+        """Zero the fp32 gradient shards (start of a step)."""
+        self.finish_grad_reduce()
+        for g in self.grad_shards:
+            g.zero_()
+        for p in self.params:
+            p.main_grad = self._full_main_grads[p]
 
     # -- weight updates outside the optimizer ----------------------------------------------
     def write_back(self) -> None:

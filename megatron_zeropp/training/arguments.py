@@ -139,6 +139,9 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
     g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
                    help="use qgZ for the first fraction of --train-iters only")
+    g.add_argument("--zeropp-shard-grads", action="store_true",
+                   help="reduce each layer's gradients in every micro-batch into an fp32 shard "
+                   "of 1/DP (less memory; more bytes with gradient accumulation)")
     g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
     g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -222,7 +225,8 @@ def validate(args, world_size: int) -> None:
     if args.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and \
             args.tokenizer_model is None:
         errors.append(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-    zeropp_flags = [f for f in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz") if getattr(args, f)]
+    zeropp_flags = [f for f in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "zeropp_shard_grads")
+                    if getattr(args, f)]
     if args.data_parallel_impl == "megatron" and zeropp_flags:
         errors.append(f"--data-parallel-impl megatron conflicts with "
                       f"{', '.join('--' + f.replace('_', '-') for f in zeropp_flags)}")
@@ -252,7 +256,7 @@ def zeropp_config(args):
         qgz=args.zeropp_qgz, qgz_intra_bits=args.zeropp_qgz_intra_bits,
         qgz_inter_bits=args.zeropp_qgz_inter_bits, qgz_block_size=args.zeropp_qgz_block_size,
         qgz_fraction=args.zeropp_qgz_fraction, prefetch_depth=args.zeropp_prefetch_depth,
-        unit=args.zeropp_unit,
+        unit=args.zeropp_unit, shard_grads=args.zeropp_shard_grads,
     )
 
 

@@ -1,0 +1,172 @@
+"""Weights gathered across nodes once per step; sharded gradients.
+
+* With hpZ the first gather of a unit in an optimizer step reads the primary shards (qwZ, across
+  nodes) and every later gather in that step reads the node-local secondary, so cross-node bytes
+  per iteration do not grow with the number of micro-batches.
+* ``shard_grads`` reduces every micro-batch's gradients into an fp32 shard: the result equals the
+  full-buffer path's up to the summation order, within a bound derived below, and the full
+  gradients are freed between uses (memory read from the live storages).
+"""
+
+import pytest
+import torch
+
+from megatron_zeropp.sharding import ZeroPPConfig
+from megatron_zeropp.simulated_nodes import run_distributed
+
+ALL = ZeroPPConfig(qwz=True, hpz=True, qgz=True)
+
+
+def _bytes_per_iteration(ctx, zeropp, nmb):
+    from zero3_runs import build, train
+
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp, dtype=torch.bfloat16,
+                                  opt={"bf16": True, "loss_scale": 1.0})
+    per_step = []
+
+    def on_step(i):
+        counts = wrapped.comm_counts(reset=True)
+        per_step.append({
+            "inter": sum(c.total(locality="inter") for c in counts.values()),
+            "calls": {phase: dict(c.calls) for phase, c in counts.items()},
+        })
+
+    results = train(wrapped, optimizer, 2, micro=1, global_batch=ctx.world_size * nmb,
+                    on_step=on_step)
+    return {"steps": per_step, "units": len(wrapped.units), "losses": [r[0] for r in results]}
+
+
+@pytest.fixture(scope="module")
+def accumulation():
+    return {nmb: run_distributed(_bytes_per_iteration, 2, 2, args=(ALL, nmb))[0]
+            for nmb in (1, 4)}
+
+
+def test_cross_node_bytes_do_not_grow_with_micro_batches(accumulation):
+    one, four = accumulation[1], accumulation[4]
+    for a, b in zip(one["steps"], four["steps"]):
+        print(f"inter-node bytes per iteration: 1 micro-batch {a['inter']}, 4: {b['inter']}")
+        assert b["inter"] <= 1.25 * a["inter"]
+        assert a["inter"] > 0
+
+
+def test_one_cross_node_gather_per_unit_and_step(accumulation):
+    four = accumulation[4]
+    units = four["units"]
+    for step in four["steps"]:
+        calls = step["calls"]
+        # One qwZ gather per unit per step (the tied embedding's extra use is served by hpZ)...
+        qwz = sum(c.get("qwz_allgather", 0) for c in calls.values())
+        assert qwz == units, calls
+        # ...everything else of 4 forwards and 4 backwards reads the secondaries in the node.
+        hpz = sum(c.get("hpz_allgather", 0) for c in calls.values())
+        assert hpz >= 8 * units - units - 1, calls
+        assert calls["grad"] == {"qgz_reduce_scatter": units}
+
+
+def test_without_hpz_every_micro_batch_gathers_across_nodes():
+    # Negative control for the byte test: plain ZeRO-3 has no node-local copy to read from.
+    out = {nmb: run_distributed(_bytes_per_iteration, 2, 2, args=(ZeroPPConfig(qwz=True), nmb))[0]
+           for nmb in (1, 4)}
+    assert out[4]["steps"][-1]["inter"] > 2 * out[1]["steps"][-1]["inter"]
+
+
+# -- sharded gradients --------------------------------------------------------------------------
+NMB = 4
+
+
+def _gradients(ctx, shard_grads):
+    """One step of NMB micro-batches; this rank's reduced gradient chunk of every bucket, read
+    when the optimizer starts (before clipping touches it), and, for the sharded run, the
+    elementwise sum of |terms| that went into it (for the error bound)."""
+    from zero3_runs import build, train
+
+    from megatron_zeropp.comm import zero3_reduce_scatter
+
+    zeropp = ZeroPPConfig(shard_grads=shard_grads)
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp)
+    comm = wrapped.comm
+    buckets = [b for u in wrapped.units for b in u.buckets]
+    abs_sum = {id(b.grad_data): torch.zeros(b.grad_data.numel() // comm.dp_size)
+               for b in buckets}
+    reduce = comm.reduce_gradients
+
+    def reduce_with_abs(output, input, async_op):
+        handle = reduce(output, input, async_op)
+        tmp = torch.empty_like(abs_sum[id(input)])
+        zero3_reduce_scatter(tmp, input.abs(), comm.dp_group)
+        abs_sum[id(input)].add_(tmp)
+        return handle
+
+    if shard_grads:
+        comm.reduce_gradients = reduce_with_abs
+    captured = {}
+    step = optimizer.step
+
+    def capture_then_step(*a, **k):
+        r, c = comm.dp_rank, None
+        for unit in wrapped.units:
+            for i, b in enumerate(unit.buckets):
+                c = b.grad_data.numel() // comm.dp_size
+                if shard_grads:
+                    captured[(unit.name, i)] = unit.grad_shards[i].clone()
+                else:
+                    captured[(unit.name, i)] = b.grad_data.view(-1)[r * c:(r + 1) * c].clone()
+        return step(*a, **k)
+
+    optimizer.step = capture_then_step
+    train(wrapped, optimizer, 1, micro=1, global_batch=ctx.world_size * NMB)
+    memory = wrapped.memory_bytes()
+    bound_terms = {(u.name, i): abs_sum[id(b.grad_data)]
+                   for u in wrapped.units for i, b in enumerate(u.buckets)}
+    m = sum(b.param_data.numel() for b in buckets)
+    return {"grads": captured, "abs": bound_terms, "memory": memory, "m": m}
+
+
+@pytest.fixture(scope="module")
+def sharded_vs_full():
+    full = run_distributed(_gradients, 2, 2, args=(False,))
+    sharded = run_distributed(_gradients, 2, 2, args=(True,))
+    return full, sharded
+
+
+def _violations(full, sharded, n_terms):
+    # Both paths sum the same n = NMB x Z terms x_i (each rank's micro-batch gradient, scaled by
+    # 1/Z, a power of two: exact) in fp32, in different orders: full buffers add the micro-batches
+    # locally, then reduce over ranks; sharded reduces over ranks, then adds the micro-batches.
+    # Any order of n - 1 fp32 additions is within gamma_{n-1} * sum|x_i| of the exact sum
+    # (gamma_k = k u / (1 - k u), u = 2^-24), so the two differ by at most twice that. sum|x_i| is
+    # itself an fp32 sum of non-negative terms: relative error <= gamma_{n-1}, covered by (1 + 1e-5).
+    u = 2.0 ** -24
+    gamma = (n_terms - 1) * u / (1 - (n_terms - 1) * u)
+    bad = 0
+    for key, f in full["grads"].items():
+        s = sharded["grads"][key]
+        bound = 2 * gamma * sharded["abs"][key] * (1 + 1e-5)
+        bad += int(((f.float() - s).abs() > bound).sum())
+    return bad
+
+
+def test_sharded_gradients_match_full_buffers_within_the_summation_bound(sharded_vs_full):
+    full, sharded = sharded_vs_full
+    z = len(full)
+    for f, s in zip(full, sharded):
+        assert f["grads"].keys() == s["grads"].keys()
+        assert any(t.abs().sum() > 0 for t in s["grads"].values())
+        assert _violations(f, s, NMB * z) == 0
+
+
+def test_the_bound_catches_a_small_error(sharded_vs_full):
+    full, sharded = sharded_vs_full
+    wrong = {**sharded[0], "grads": {k: v * (1 + 1e-4) for k, v in sharded[0]["grads"].items()}}
+    assert _violations(full[0], wrong, NMB * len(full)) > 0
+
+
+def test_sharded_gradients_memory(sharded_vs_full):
+    full, sharded = sharded_vs_full
+    z = len(full)
+    for f, s in zip(full, sharded):
+        m = f["m"]  # fp32 model here: grads are fp32 either way
+        assert f["memory"]["grad"] == 4 * m  # megatron-core's full buffer
+        assert s["memory"]["grad"] == 4 * m // z  # the fp32 shard; full grads freed
+        assert s["memory"]["gathered"] == 0
