@@ -145,6 +145,9 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
     g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="megatron-core DDP: overlap the parameter all-gather with the forward "
+                   "pass; the ZeRO++ layer always does (prefetch), so there it changes nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:

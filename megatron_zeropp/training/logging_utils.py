@@ -9,6 +9,20 @@ from typing import Dict, Optional
 import torch
 
 
+def persistent_memory_line(model) -> str:
+    """What one rank keeps between steps: the device allocator's live bytes on CUDA; on CPU the
+    ZeRO++ layer's live storages (primary, secondary, gradients; megatron-core's DDP reports
+    none there)."""
+    if torch.cuda.is_available():
+        return (f"> persistent memory after the first step: "
+                f"{torch.cuda.memory_allocated() / 1e9:.3f} GB allocated (device allocator)")
+    if hasattr(model, "memory_bytes"):
+        mem = model.memory_bytes()
+        parts = ", ".join(f"{k} {v / 1e9:.4f}" for k, v in mem.items())
+        return f"> persistent memory after the first step (GB, live storages): {parts}"
+    return "> persistent memory after the first step: not measured on CPU for this layer"
+
+
 def peak_memory_gb() -> float:
     """Peak device memory (CUDA) or peak resident set size of this process (CPU), in GB."""
     if torch.cuda.is_available():

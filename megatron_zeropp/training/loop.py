@@ -16,7 +16,13 @@ from megatron_zeropp.topology import build_topology
 from .arguments import parse_args, print_args
 from .checkpoint import latest_iteration, load_checkpoint, save_checkpoint
 from .gpt_step import eval_step, train_step
-from .logging_utils import IntervalStats, TensorBoard, training_log_line, validation_log_line
+from .logging_utils import (
+    IntervalStats,
+    TensorBoard,
+    persistent_memory_line,
+    training_log_line,
+    validation_log_line,
+)
 from .model import (
     build_gpt,
     build_optimizer,
@@ -183,6 +189,10 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
             stats.nan += 1
         if hasattr(model, "comm_counts"):
             stats.add_bytes(model.comm_counts(reset=True))
+        if len(history["iterations"]) == 0:
+            # After the first step every persistent tensor exists (Adam's moments are created
+            # lazily by it) and every transient one is freed: what stays is what a step keeps.
+            _log(persistent_memory_line(model))
         for key, value in (("loss", result.loss), ("grad_norm", result.grad_norm),
                            ("skipped", result.skipped)):
             history[key].append(value)

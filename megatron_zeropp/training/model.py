@@ -106,6 +106,9 @@ def ddp_config(args):
     return DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        # The ZeRO++ layer gathers weights itself (with prefetch); megatron-core's own DDP needs
+        # this flag for its forward pre-hooks.
+        overlap_param_gather=args.overlap_param_gather and args.data_parallel_impl == "megatron",
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
     )
 
