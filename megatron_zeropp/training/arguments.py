@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from .profiling import add_profile_args, validate_profile_args
+
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -142,6 +144,10 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
     g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="megatron-core's distributed optimizer: gather the updated weights during "
+                        "the next forward (--data-parallel-impl megatron only; the ZeRO++ layer "
+                        "prefetches weights itself, see --zeropp-prefetch-depth)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _batch_and_optimizer_args(p)
     _run_and_data_args(p)
     _zeropp_args(p)
+    add_profile_args(p)
     return p
 
 
@@ -226,6 +233,11 @@ def validate(args, world_size: int) -> None:
     if args.data_parallel_impl == "megatron" and zeropp_flags:
         errors.append(f"--data-parallel-impl megatron conflicts with "
                       f"{', '.join('--' + f.replace('_', '-') for f in zeropp_flags)}")
+    if args.overlap_param_gather and args.data_parallel_impl != "megatron":
+        errors.append("--overlap-param-gather is megatron-core's distributed-optimizer option "
+                      "(--data-parallel-impl megatron); the ZeRO++ layer prefetches weights "
+                      "itself (--zeropp-prefetch-depth)")
+    errors += validate_profile_args(args)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or
                                             world_size % args.ranks_per_node):
         errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "

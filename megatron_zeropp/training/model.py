@@ -106,6 +106,9 @@ def ddp_config(args):
     return DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        # The ZeRO++ layer rejects this flag's config (it gathers weights itself); validate()
+        # already refused --overlap-param-gather without --data-parallel-impl megatron.
+        overlap_param_gather=args.overlap_param_gather,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
     )
 
