@@ -473,6 +473,18 @@ def _machine(o: Options) -> str:
     return ", ".join(parts)
 
 
+def make_meta(o: Options, argv: Sequence[str]) -> dict:
+    """Command, date, machine and settings of this call (the head of both outputs)."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["benchmarks/gpu_shaped.py"] + list(argv)),
+        "machine": _machine(o), "model": o.model, "model_flags": PRESETS[o.model],
+        "gpus": o.gpus, "iters": o.iters, "timed_iterations": o.timed_iterations(),
+        "options": {k: v for k, v in asdict(o).items() if k != "links"},
+        "links": [asdict(link) for link in o.links], "dry_run": o.dry_run,
+    }
+
+
 def run_probe(o: Options, link: Link, plan: NetPlan, shell: Shell, port: int,
               logdir: str) -> dict:
     """All-gather between the two nodes (one rank each): what the link delivers."""
@@ -620,16 +632,7 @@ def main(argv=None) -> int:
         if reason is not None:
             print(f"gpu_shaped: cannot build the namespaces: {reason}", file=sys.stderr)
             return 2
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join([os.path.relpath(sys.argv[0], REPO)] + list(
-            sys.argv[1:] if argv is None else argv)),
-        "machine": _machine(o), "model": o.model, "model_flags": PRESETS[o.model],
-        "gpus": o.gpus, "iters": o.iters, "timed_iterations": o.timed_iterations(),
-        "options": {k: v for k, v in asdict(o).items() if k != "links"},
-        "links": [asdict(link) for link in o.links], "dry_run": o.dry_run,
-    }
-    results = Results(meta)
+    results = Results(make_meta(o, sys.argv[1:] if argv is None else argv))
     if not o.dry_run:
         # SIGTERM unwinds like Ctrl-C: the runs' process groups are killed, namespaces deleted.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
