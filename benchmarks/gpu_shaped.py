@@ -569,6 +569,28 @@ def _say(text: str) -> None:
 
 
 # -- command line -----------------------------------------------------------------------------
+def exposed_summary(o: Options, results: Results) -> None:
+    """exposed_comm.py over every run's trace: OUT/exposed.md, OUT/exposed.json and a timeline
+    of megatron vs all3 at the last link and first micro-batch count. A failure here is
+    reported, not raised: the measurements are already written."""
+    import exposed_comm
+
+    traces = os.path.join(o.out, "profiles")
+    try:
+        argv = [traces, "--json", os.path.join(o.out, "exposed.json")]
+        last = run_name(o.links[-1], o.micro_batches[0], "{}")
+        pair = [last.format(c) for c in ("megatron", "all3")]
+        found = exposed_comm.find_traces([traces])
+        if all(p in found for p in pair):
+            argv += ["--png", os.path.join(o.out, "timeline.png"), "--timeline", ",".join(pair)]
+        with open(os.path.join(o.out, "exposed.md"), "w") as f, \
+                contextlib.redirect_stdout(f):
+            exposed_comm.main(argv)
+        _say(f"exposed communication: {os.path.join(o.out, 'exposed.md')}")
+    except (ValueError, OSError, KeyError) as exc:
+        _say(f"exposed communication not analysed: {exc}")
+
+
 def _default_gpus() -> int:
     try:
         import torch
@@ -638,6 +660,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run_all(o, plan, shell, results)
     results.write(o.out)
+    if o.profile and not o.dry_run:
+        exposed_summary(o, results)
     print(markdown({"meta": results.meta, "probes": results.probes, "runs": results.runs}))
     bad = [r for r in results.runs if r["status"] not in ("ok", "dry run")
            and not r["status"].startswith("not supported")]
