@@ -67,7 +67,7 @@ PRESETS: Dict[str, List[str]] = {
     # Seconds per iteration even on CPU: for smoke runs of the driver itself.
     "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "64", "--max-position-embeddings", "64",
-             "--micro-batch-size", "2"] + _DATA,
+             "--micro-batch-size", "2", "--bf16"] + _DATA,
 }
 CONFIGS: Dict[str, List[str]] = {
     "megatron": ["--data-parallel-impl", "megatron", "--overlap-grad-reduce",
