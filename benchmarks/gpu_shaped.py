@@ -591,6 +591,28 @@ def exposed_summary(o: Options, results: Results) -> None:
         _say(f"exposed communication not analysed: {exc}")
 
 
+def merge(dirs: Sequence[str], out: str) -> Results:
+    """One results.json/.md from several calls' output directories (the device runs one command
+    for at most 10 minutes, so a full matrix takes several calls). The first call's head is
+    kept; every call's command, date and machine are listed in ``meta["merged"]``."""
+    parts = []
+    for d in dirs:
+        with open(os.path.join(d, "results.json")) as f:
+            parts.append(json.load(f))
+    if not parts:
+        raise ValueError("--merge needs at least one directory")
+    meta = dict(parts[0]["meta"])
+    meta["merged"] = [{k: p["meta"][k] for k in ("command", "date", "machine")} for p in parts]
+    meta["command"] = " ; ".join(p["meta"]["command"] for p in parts)
+    res = Results(meta)
+    for p in parts:
+        res.probes.update(p["probes"])
+        res.runs += p["runs"]
+    os.makedirs(out, exist_ok=True)
+    res.write(out)
+    return res
+
+
 def _default_gpus() -> int:
     try:
         import torch
@@ -600,7 +622,8 @@ def _default_gpus() -> int:
         return 0
 
 
-def parse_args(argv=None) -> Options:
+def parse_args(argv=None):
+    """Validated Options; with ``--merge``, the parsed namespace instead."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rates", default="nvlink,10gbit,2gbit",
                    help="comma list of nvlink, unshaped, <x>gbit, <x>mbit")
@@ -613,7 +636,8 @@ def parse_args(argv=None) -> Options:
     p.add_argument("--warmup", type=int, default=2, help="untimed first iterations")
     p.add_argument("--gpus", type=int, default=None,
                    help="GPUs to use (default: all visible); CPU processes without CUDA")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=540.0,
+                   help="seconds per run (the device allows 600 s per command)")
     p.add_argument("--out", required=True, help="output directory (results.json, results.md)")
     p.add_argument("--netbin", default=None,
                    help="directory with ip and tc (and lib/ with their libraries)")
@@ -625,8 +649,12 @@ def parse_args(argv=None) -> Options:
     p.add_argument("--probe-mbytes", type=float, default=256.0)
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="only merge earlier calls' output directories into --out")
     p.add_argument("extra", nargs="*", help="after --: more pretrain_gpt.py flags for every run")
     a = p.parse_args(argv)
+    if a.merge:
+        return a
     gpus = a.gpus if a.gpus is not None else _default_gpus()
     if a.gpus is None and gpus == 0:
         p.error("no GPU visible: give --gpus N (N CPU processes with gloo for a smoke run)")
@@ -645,6 +673,10 @@ def parse_args(argv=None) -> Options:
 
 def main(argv=None) -> int:
     o = parse_args(argv)
+    if isinstance(o, argparse.Namespace):  # --merge
+        res = merge(o.merge, os.path.abspath(o.out))
+        print(markdown({"meta": res.meta, "probes": res.probes, "runs": res.runs}))
+        return 0
     os.makedirs(o.out, exist_ok=True)
     plan = NetPlan(tag=str(os.getpid() % 10**6), mtu=MTU, bin_dir=o.netbin,
                    burst_seconds=1 / 200, min_burst=256 * 1024, latency_ms=200)

@@ -260,3 +260,25 @@ def test_launch_timeout_kills_the_whole_group(tmp_path):
     rcs, timed_out = G.launch([ok, [sys.executable, "-c", "raise SystemExit(3)"]], logs, 30.0,
                               Shell())
     assert (rcs, timed_out) == ([0, 3], False)
+
+
+def test_merge_two_calls(tmp_path, capsys):
+    for i, rate in enumerate(("nvlink", "10gbit")):
+        o = _opts(links=(G.parse_links(rate)[0],), out=str(tmp_path / f"c{i}"))
+        os.makedirs(o.out)
+        res = G.Results(G.make_meta(o, ["--rates", rate]))
+        res.probes[rate] = {"recv_gbit_per_rank": 10.0 * (i + 1), "bytes": 1, "intact": True}
+        for cfg, ms in (("megatron", 400.0), ("all3", 200.0 * (i + 1))):
+            res.runs.append({"link": rate, "micro_batches": 1, "config": cfg, "status": "ok",
+                             "ms_median": ms})
+        res.write(o.out)
+    capsys.readouterr()
+    assert G.main(["--merge", str(tmp_path / "c0"), str(tmp_path / "c1"), "--out",
+                   str(tmp_path / "all")]) == 0
+    data = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert list(data["probes"]) == ["nvlink", "10gbit"]
+    assert [(r["link"], r["config"], r["vs_megatron"]) for r in data["runs"]] == [
+        ("nvlink", "megatron", 1.0), ("nvlink", "all3", 2.0),
+        ("10gbit", "megatron", 1.0), ("10gbit", "all3", 1.0)]
+    assert [m["command"] for m in data["meta"]["merged"]] == [
+        "benchmarks/gpu_shaped.py --rates nvlink", "benchmarks/gpu_shaped.py --rates 10gbit"]
