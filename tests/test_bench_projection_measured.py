@@ -34,6 +34,20 @@ def test_bytes_per_step_hand_checked():
     assert _inter("qwz_qgz", 8) == 16 * qwz + qgz  # no hpZ: every gather crosses nodes
 
 
+def test_tied_embedding_is_gathered_for_the_logits_too():
+    # The same bucket as the layers' stands in for the tied embedding unit: forward twice
+    # (lookup, logits), backward once (logits) per micro-batch.
+    ring = 3 * 4096 * 2
+    qwz = 3 * 4096 + 3 * 16 * 4
+
+    def inter(config, m):
+        return PM.inter_bytes(PM.step_phases(config, [M], 2, 2, m, tied_embedding=M))
+
+    assert inter("zero3", 2) == (2 * 2 + 2 * 3) * ring + 2 * ring  # layers 4, embedding 6, grads
+    assert inter("megatron", 2) == 2 * 2 * ring  # megatron-core: both buckets once per step
+    assert inter("qwz_hpz", 2) == 2 * qwz + 2 * ring  # hpZ: one cross-node gather per unit
+
+
 def test_compute_and_comm_time_hand_checked():
     # 1 layer, hidden 4, seq 2, ffn 16, vocab 8: per layer 4*(4+8) + 16 + 4*16 + 16*4 = 192
     # weight elements, logits 32; matmul 2*(192+32) = 448 and attention 2*2*2*4 = 32 FLOP per
@@ -85,13 +99,14 @@ def _results(tmp_path, measured_factor=1.0):
                             "4", "--seq-length", "64", "--micro-batch-size", "2",
                             "--vocab-size", "50257"]}
     model, _ = PM.measured_model(meta)
-    buckets = P.even_buckets(model.params(), 2, 2)
+    buckets, tied = PM._buckets(model, 1, 1, 2)
+    assert tied == 50304 * 64 + 64 * 64  # word + learned position embeddings, DP-padded
     runs = [{"link": "nvlink", "config": "megatron", "micro_batches": mb, "status": "ok",
              "tflops_median": rate} for mb, rate in ((1, 150.0), (8, 180.0))]
     runs.append({"link": "nvlink", "config": "megatron", "micro_batches": 2, "status": "failed",
                  "tflops_median": 900.0})
     for config in ("zero3", "all3"):
-        expected = PM.inter_bytes(PM.step_phases(config, buckets, 2, 1, 8))
+        expected = PM.inter_bytes(PM.step_phases(config, buckets, 2, 1, 8, tied))
         runs.append({"link": "10gbit", "config": config, "micro_batches": 8, "status": "ok",
                      "inter_bytes_median": expected * measured_factor})
     data = {"meta": meta, "probes": {"nvlink": {"recv_gbit_per_rank": 1600.0}}, "runs": runs}

@@ -20,7 +20,8 @@ with):
 - megatron-core's distributed optimizer: one reduce-scatter of the bf16 gradients and one
   all-gather of the bf16 weights over the DP group per step, whatever m;
 - ZeRO-3 / ZeRO++ without hpZ: a weight gather (qwZ: INT8) in every forward and every backward,
-  2m per step, all across nodes;
+  2m per step, all across nodes (a GPT's tied embedding: 3m, lookup + logits forward, logits
+  backward);
 - with hpZ: the first forward gather of a step crosses nodes (qwZ) and keeps the node-local
   copy; the other 2m - 1 gathers of the step read it inside the node;
 - gradients: reduced once per step (the full-size buffer, qgZ or plain reduce-scatter), or in
@@ -72,13 +73,20 @@ class Model:
     query_groups: Optional[int] = None
     swiglu: bool = False
     untied: bool = False
+    learned_pos: bool = False
+    """Learned absolute position embeddings (GPT) instead of RoPE."""
+
+    def embedding(self) -> int:
+        """Elements of the embedding unit (word + learned position embeddings)."""
+        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_pos else 0)
 
     def params(self) -> float:
         """Weights: attention, MLP, norms/biases (approximate), embeddings (+ output if untied)."""
         kv = self.hidden * (self.query_groups or self.heads) // self.heads
         mlp = self.hidden * self.ffn * (3 if self.swiglu else 2)
         per_layer = self.hidden * (self.hidden + 2 * kv) + self.hidden ** 2 + mlp + 13 * self.hidden
-        return self.layers * per_layer + self.vocab * self.hidden * (2 if self.untied else 1)
+        output = self.vocab * self.hidden if self.untied else 0
+        return self.layers * per_layer + self.embedding() + output
 
     def flops(self, tokens: float) -> float:
         """pretrain_gpt.py's model FLOPs of one training pass over ``tokens`` tokens."""
@@ -114,7 +122,8 @@ class Target:
 
 
 # 18B GPT as in the ZeRO++ paper's 384-GPU runs: 48 nodes x 8, 1K and 2K tokens per GPU.
-GPT_18B = Model("GPT 18B", layers=40, hidden=6144, heads=48, seq=2048, ffn=4 * 6144, vocab=50304)
+GPT_18B = Model("GPT 18B", layers=40, hidden=6144, heads=48, seq=2048, ffn=4 * 6144, vocab=50304,
+                learned_pos=True)
 # examples/llama_70b_tp8_pp4.sh (Llama tokenizer: 32000 padded to a multiple of 128 x TP 8).
 LLAMA_70B = Model("Llama 70B", layers=80, hidden=8192, heads=64, seq=4096, ffn=28672,
                   vocab=32768, query_groups=8, swiglu=True, untied=True)
@@ -149,19 +158,33 @@ def _megatron_counts(buckets: Sequence[int], nodes: int, per_node: int) -> Dict[
     return {k: v.step() for k, v in stats.items()}
 
 
-def step_phases(config: str, buckets: Sequence[int], nodes: int, per_node: int, m: int
-                ) -> List[Tuple[StepCounts, int]]:
-    """(one collective's counts, how often per step) for every kind of collective in a step."""
+def step_phases(config: str, buckets: Sequence[int], nodes: int, per_node: int, m: int,
+                tied_embedding: Optional[int] = None) -> List[Tuple[StepCounts, int]]:
+    """(one collective's counts, how often per step) for every kind of collective in a step.
+
+    ``tied_embedding``: elements of the embedding unit when the output layer shares its weight
+    (GPT, PP = 1): the ZeRO layer then gathers that unit twice per forward (lookup and logits)
+    and once per backward (logits; the lookup's gradient needs no weight).
+    """
     spec = CONFIGS[config]
     if spec is None:
-        c = _megatron_counts(buckets, nodes, per_node)
+        everything = list(buckets) + ([tied_embedding] if tied_embedding else [])
+        c = _megatron_counts(everything, nodes, per_node)
         return [(c["forward"], 1), (c["grad"], 1)]
     zeropp, shard_grads = spec
-    c = iteration_counts(list(buckets), nodes, per_node, zeropp)
-    grads = (c["grad"], m if shard_grads else 1)
-    if zeropp.hpz:
-        return [(c["forward"], 1), (c["backward"], 2 * m - 1), grads]
-    return [(c["forward"], m), (c["backward"], m), grads]
+    units = [(list(buckets), 1, 1)]  # (buckets, forward gathers, backward gathers) per mb
+    if tied_embedding:
+        units.append(([tied_embedding], 2, 1))
+    out = []
+    for unit_buckets, fwd, bwd in units:
+        c = iteration_counts(unit_buckets, nodes, per_node, zeropp)
+        out.append((c["grad"], m if shard_grads else 1))
+        if zeropp.hpz:
+            # The first gather of a unit in a step crosses nodes; the rest read the node copy.
+            out += [(c["forward"], 1), (c["backward"], (fwd + bwd) * m - 1)]
+        else:
+            out += [(c["forward"], fwd * m), (c["backward"], bwd * m)]
+    return out
 
 
 def inter_bytes(phases: Sequence[Tuple[StepCounts, int]]) -> float:
@@ -180,14 +203,23 @@ class Row:
         return max(self.compute_s, self.comm_s) if overlap else self.compute_s + self.comm_s
 
 
+def _buckets(model: Model, tp: int, pp: int, dp: int) -> Tuple[List[int], Optional[int]]:
+    """Layer buckets of one model chunk, and the tied embedding unit (GPT with PP = 1) apart."""
+    layers = max(model.layers // pp, 1)
+    if pp == 1 and not model.untied:
+        emb = model.embedding() / tp
+        return (even_buckets(model.params() / tp - emb, layers, dp),
+                even_buckets(emb, 1, dp)[0])
+    return even_buckets(model.params() / (tp * pp), layers, dp), None
+
+
 def project_target(t: Target, tflops: float, intra_gbyte: float, configs: Sequence[str],
                    alpha_inter_us: float = 5.0, alpha_intra_us: float = 2.0) -> List[Row]:
     """Every configuration's step on ``t`` (see the module docstring)."""
     if not tflops > 0:
         raise ValueError(f"tflops must be > 0, got {tflops!r}")
-    chunk = t.model.params() / (t.tp * t.pp)
     nodes = t.dp // t.dp_per_node
-    buckets = even_buckets(chunk, max(t.model.layers // t.pp, 1), t.dp)
+    buckets, tied = _buckets(t.model, t.tp, t.pp, t.dp)
     # The node's links are shared by the DP groups running at once on that node.
     cluster = Cluster(t.dp_per_node, nodes, t.inter_gbit / t.groups_per_node, intra_gbyte, tflops,
                       alpha_inter_us, alpha_intra_us)
@@ -197,7 +229,7 @@ def project_target(t: Target, tflops: float, intra_gbyte: float, configs: Sequen
     compute = flops_per_gpu / (tflops * 1e12) * bubble
     rows = []
     for name in configs:
-        phases = step_phases(name, buckets, nodes, t.dp_per_node, t.micro_batches)
+        phases = step_phases(name, buckets, nodes, t.dp_per_node, t.micro_batches, tied)
         comm = sum(comm_seconds(c, cluster) * n for c, n in phases)
         rows.append(Row(name, inter_bytes(phases), compute, comm))
     return rows
@@ -215,7 +247,8 @@ def measured_model(meta: dict) -> Tuple[Model, int]:
     padded = int(math.ceil(vocab / 128) * 128)
     model = Model(f"measured GPT ({meta['model']})", get("--num-layers"), h,
                   get("--num-attention-heads"), get("--seq-length"),
-                  get("--ffn-hidden-size", 4 * h), padded)
+                  get("--ffn-hidden-size", 4 * h), padded,
+                  learned_pos="--position-embedding-type" not in flags or "rope" not in flags)
     return model, get("--micro-batch-size")
 
 
@@ -231,7 +264,7 @@ def byte_check(data: dict) -> List[dict]:
     model, _ = measured_model(data["meta"])
     gpus = data["meta"]["gpus"]
     per_node = gpus // 2
-    buckets = even_buckets(model.params(), model.layers, gpus)
+    buckets, tied = _buckets(model, 1, 1, gpus)
     out = []
     for r in data["runs"]:
         if r.get("status") != "ok" or r["config"] not in CONFIGS or r["config"] == "megatron":
@@ -239,7 +272,8 @@ def byte_check(data: dict) -> List[dict]:
         measured = r.get("inter_bytes_median")
         if measured is None:
             continue
-        predicted = inter_bytes(step_phases(r["config"], buckets, 2, per_node, r["micro_batches"]))
+        predicted = inter_bytes(step_phases(r["config"], buckets, 2, per_node,
+                                            r["micro_batches"], tied))
         out.append({"link": r["link"], "config": r["config"], "micro_batches": r["micro_batches"],
                     "measured": measured, "model": predicted, "ratio": measured / predicted})
     return out
