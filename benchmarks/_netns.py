@@ -38,6 +38,16 @@ class NetPlan:
     """Suffix that keeps concurrent runs apart (e.g. the launcher's pid)."""
     subnet: str = "10.231.0"
     """First three octets of the /24 the veth ends get (namespace-only)."""
+    mtu: Optional[int] = None
+    """MTU of both veth ends (None: the kernel's default, 1500)."""
+    bin_dir: Optional[str] = None
+    """Directory holding the ``ip`` and ``tc`` to use (None: the ones on PATH)."""
+    burst_seconds: float = 0.01
+    """Token-bucket depth as seconds of traffic at the shaped rate..."""
+    min_burst: int = 64 * 1024
+    """...but never fewer bytes than this."""
+    latency_ms: int = 100
+    """Queueing delay tbf allows before it drops packets."""
 
     def __post_init__(self):
         # Interface names are limited to 15 characters: "zpp" + tag + "v0".
@@ -46,6 +56,19 @@ class NetPlan:
         octets = self.subnet.split(".")
         if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
             raise ValueError(f"subnet must be three octets like '10.231.0', got {self.subnet!r}")
+        if self.mtu is not None and not 576 <= self.mtu <= 65535:
+            raise ValueError(f"mtu must be in 576..65535 or None, got {self.mtu!r}")
+        if not (self.burst_seconds > 0 and self.min_burst > 0 and self.latency_ms > 0):
+            raise ValueError(f"burst_seconds, min_burst and latency_ms must be > 0, got "
+                             f"{self.burst_seconds!r}, {self.min_burst!r}, {self.latency_ms!r}")
+
+    @property
+    def ip(self) -> str:
+        return os.path.join(self.bin_dir, "ip") if self.bin_dir else "ip"
+
+    @property
+    def tc(self) -> str:
+        return os.path.join(self.bin_dir, "tc") if self.bin_dir else "tc"
 
     nodes = 2
 
@@ -65,15 +88,17 @@ class NetPlan:
 
     def setup_commands(self) -> List[Command]:
         """Create both namespaces, the veth pair between them, addresses, links up."""
-        cmds: List[Command] = [["ip", "netns", "add", self.ns(i)] for i in (0, 1)]
-        cmds.append(["ip", "link", "add", self.dev(0), "type", "veth", "peer", "name",
+        ip = self.ip
+        cmds: List[Command] = [[ip, "netns", "add", self.ns(i)] for i in (0, 1)]
+        cmds.append([ip, "link", "add", self.dev(0), "type", "veth", "peer", "name",
                      self.dev(1)])
+        mtu = ["mtu", str(self.mtu)] if self.mtu is not None else []
         for i in (0, 1):
             cmds += [
-                ["ip", "link", "set", self.dev(i), "netns", self.ns(i)],
-                ["ip", "-n", self.ns(i), "addr", "add", f"{self.addr(i)}/24", "dev", self.dev(i)],
-                ["ip", "-n", self.ns(i), "link", "set", "lo", "up"],
-                ["ip", "-n", self.ns(i), "link", "set", self.dev(i), "up"],
+                [ip, "link", "set", self.dev(i), "netns", self.ns(i)],
+                [ip, "-n", self.ns(i), "addr", "add", f"{self.addr(i)}/24", "dev", self.dev(i)],
+                [ip, "-n", self.ns(i), "link", "set", "lo", "up"],
+                [ip, "-n", self.ns(i), "link", "set", self.dev(i)] + mtu + ["up"],
             ]
         return cmds
 
@@ -81,26 +106,28 @@ class NetPlan:
         """Token-bucket both veth ends to ``rate_mbit`` Mbit/s; ``None`` = no shaping."""
         cmds = []
         for i in (0, 1):
-            tc = ["ip", "netns", "exec", self.ns(i), "tc", "qdisc"]
+            tc = [self.ip, "netns", "exec", self.ns(i), self.tc, "qdisc"]
             if rate_mbit is None:
                 cmds.append(tc + ["replace", "dev", self.dev(i), "root", "pfifo", "limit", "10000"])
                 continue
             if not rate_mbit > 0:
                 raise ValueError(f"rate must be > 0 Mbit/s or None, got {rate_mbit!r}")
             # The bucket must hold at least one timer tick of traffic at this rate, or tbf cannot
-            # reach it: 10 ms worth, at least 64 KiB. 100 ms of queue before drops.
-            burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.01))
+            # reach it (defaults: 10 ms worth, at least 64 KiB, 100 ms of queue before drops).
+            burst = max(self.min_burst, int(rate_mbit * 1e6 / 8 * self.burst_seconds))
             cmds.append(tc + ["replace", "dev", self.dev(i), "root", "tbf", "rate",
-                              f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "100ms"])
+                              f"{rate_mbit:g}mbit", "burst", str(burst), "latency",
+                              f"{self.latency_ms}ms"])
         return cmds
 
     def cleanup_commands(self) -> List[Command]:
         """Delete both namespaces (the veth pair goes with them)."""
-        return [["ip", "netns", "del", self.ns(i)] for i in (0, 1)]
+        return [[self.ip, "netns", "del", self.ns(i)] for i in (0, 1)]
 
     def exec_prefix(self, node: int) -> Command:
         """Run a command inside ``node``'s namespace with gloo bound to its veth."""
-        return ["ip", "netns", "exec", self.ns(node), "env", f"GLOO_SOCKET_IFNAME={self.dev(node)}"]
+        return [self.ip, "netns", "exec", self.ns(node), "env",
+                f"GLOO_SOCKET_IFNAME={self.dev(node)}"]
 
 
 class ShapingUnavailable(RuntimeError):
@@ -110,9 +137,12 @@ class ShapingUnavailable(RuntimeError):
 class Shell:
     """Runs commands, or only prints them (``dry_run``); ``echo`` receives each command line."""
 
-    def __init__(self, dry_run: bool = False, echo: Optional[Callable[[str], None]] = None):
+    def __init__(self, dry_run: bool = False, echo: Optional[Callable[[str], None]] = None,
+                 env: Optional[dict] = None):
         self.dry_run = dry_run
         self.echo = echo
+        # None: this process's environment; else e.g. LD_LIBRARY_PATH for a private ip/tc build.
+        self.env = env
         self.log: List[str] = []
 
     def run(self, cmd: Sequence[str], check: bool = True) -> bool:
@@ -123,7 +153,7 @@ class Shell:
             self.echo(("$ " if self.dry_run else "+ ") + line)
         if self.dry_run:
             return True
-        proc = subprocess.run(list(cmd), capture_output=True, text=True)
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, env=self.env)
         if proc.returncode and check:
             raise RuntimeError(f"command failed ({proc.returncode}): {line}\n{proc.stderr.strip()}")
         return proc.returncode == 0
@@ -135,15 +165,15 @@ def unavailable_reason(shell: Shell, plan: NetPlan) -> Optional[str]:
         return None
     if os.geteuid() != 0:
         return "needs root (network namespaces and tc)"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    missing = [t for t in (plan.ip, plan.tc) if shutil.which(t) is None]
     if missing:
         return f"{' and '.join(missing)} not found (apt-get install -y iproute2)"
     probe = f"zpp{plan.tag}probe"
     try:
-        shell.run(["ip", "netns", "add", probe])
+        shell.run([plan.ip, "netns", "add", probe])
     except RuntimeError as exc:
         return f"cannot create a network namespace here: {exc}"
-    shell.run(["ip", "netns", "del", probe], check=False)
+    shell.run([plan.ip, "netns", "del", probe], check=False)
     return None
 
 

@@ -14,12 +14,14 @@ SUPPORTED_FLAGS = sorted("""
 --lr-warmup-iters --make-vocab-size-divisible-by --max-position-embeddings --micro-batch-size
 --min-lr --mock-data --no-load-optim --no-load-rng --norm-epsilon --normalization
 --num-attention-heads --num-layers --num-query-groups --optimizer --overlap-grad-reduce
---pipeline-model-parallel-size --position-embedding-type --ranks-per-node
+--overlap-param-gather --pipeline-model-parallel-size --position-embedding-type --profile
+--profile-dir --profile-ranks --profile-step-end --profile-step-start --ranks-per-node
 --recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
 --save --save-interval --seed --seq-length --sequence-parallel --split --swiglu
 --tensor-model-parallel-size --tensorboard-dir --test-data-path --tokenizer-model
 --tokenizer-type --train-data-path --train-iters --transformer-impl
---untie-embeddings-and-output-weights --valid-data-path --vocab-size --weight-decay
+--untie-embeddings-and-output-weights --use-pytorch-profiler --valid-data-path --vocab-size
+--weight-decay
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
 --zeropp-qgz-block-size --zeropp-qgz-fraction --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
 --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-unit

@@ -135,8 +135,9 @@ def _violations(full, sharded, n_terms):
     # 1/Z, a power of two: exact) in fp32, in different orders: full buffers add the micro-batches
     # locally, then reduce over ranks; sharded reduces over ranks, then adds the micro-batches.
     # Any order of n - 1 fp32 additions is within gamma_{n-1} * sum|x_i| of the exact sum
-    # (gamma_k = k u / (1 - k u), u = 2^-24), so the two differ by at most twice that. sum|x_i| is
-    # itself an fp32 sum of non-negative terms: relative error <= gamma_{n-1}, covered by (1 + 1e-5).
+    # (gamma_k = k u / (1 - k u), u = 2^-24), so the two differ by at most twice that. sum|x_i|
+    # is itself an fp32 sum of non-negative terms: relative error <= gamma_{n-1}, covered by
+    # the factor (1 + 1e-5).
     u = 2.0 ** -24
     gamma = (n_terms - 1) * u / (1 - (n_terms - 1) * u)
     bad = 0

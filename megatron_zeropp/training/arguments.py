@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from .profiling import add_profile_args, validate_profile_args
+
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -161,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _batch_and_optimizer_args(p)
     _run_and_data_args(p)
     _zeropp_args(p)
+    add_profile_args(p)
     return p
 
 
@@ -233,6 +236,7 @@ def validate(args, world_size: int) -> None:
     if args.data_parallel_impl == "megatron" and zeropp_flags:
         errors.append(f"--data-parallel-impl megatron conflicts with "
                       f"{', '.join('--' + f.replace('_', '-') for f in zeropp_flags)}")
+    errors += validate_profile_args(args)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or
                                             world_size % args.ranks_per_node):
         errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "

@@ -30,6 +30,7 @@ from .model import (
     transformer_config,
     wrap_data_parallel,
 )
+from .profiling import IterationProfiler
 
 
 def _log(*parts) -> None:
@@ -167,7 +168,9 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     stats = IntervalStats()
     if hasattr(model, "comm_counts"):
         model.comm_counts(reset=True)
+    profiler = IterationProfiler(args, rank)
     while iteration < args.train_iters:
+        profiler.before_iteration(iteration)
         if hasattr(model, "set_training_progress"):
             model.set_training_progress(iteration, args.train_iters)
         start = time.perf_counter()
@@ -179,6 +182,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         if not result.skipped:
             scheduler.step(increment=args.global_batch_size)
         iteration += 1
+        profiler.after_iteration(iteration)
         consumed += args.global_batch_size
         stats.iterations += 1
         stats.skipped += int(result.skipped)
@@ -223,4 +227,5 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
             _log(f"> saved checkpoint of iteration {iteration} to {args.save}")
         if exiting:
             break
+    profiler.close()
     return history
