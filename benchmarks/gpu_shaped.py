@@ -7,6 +7,8 @@ Usage (as root on the GPU host; megatron-core importable)::
         --rates nvlink,10gbit,2gbit --model 1.3b --micro-batches 1,8 --iters 12
     python benchmarks/gpu_shaped.py --dry-run --gpus 4 --out /tmp/plan   # print, run nothing
     python benchmarks/gpu_shaped.py --gpus 2 --rates nvlink --model tiny --out /tmp/smoke  # CPU
+    python benchmarks/gpu_shaped.py --merge runs/a runs/b --out runs/all   # several calls -> one
+    python benchmarks/gpu_shaped.py ... -- --zeropp-prefetch-depth 2      # more flags, every run
 
 The N GPUs become two nodes of G = N / 2. For a shaped rate (``10gbit``, ``500mbit``; or
 ``unshaped`` for the bare veth) two network namespaces are joined by a veth pair (MTU 9000),
