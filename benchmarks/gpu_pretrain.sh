@@ -36,6 +36,7 @@ declare -A FLAGS=(
   [all3]="--zeropp-qwz --zeropp-hpz --zeropp-qgz"
   [all3_shard]="--zeropp-qwz --zeropp-hpz --zeropp-qgz --zeropp-shard-grads"
   [zero3_shard]="--zeropp-shard-grads"
+  [all3_pf2]="--zeropp-qwz --zeropp-hpz --zeropp-qgz --zeropp-prefetch-depth 2"
 )
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -267,3 +267,15 @@ def test_backend_env_var(monkeypatch):
         assert quant.backend_for("cpu") == "triton"
         monkeypatch.setenv(quant.BACKEND_ENV, "auto")
         assert quant.backend_for("cuda") == "triton"
+
+
+def test_dequantize_chunks_into_a_buffer():
+    x = torch.randn(3, 100)
+    data, scales = ref.quantize_chunks(x, 8, 32)
+    buf = torch.full((3, 100), float("nan"))
+    assert ref.dequantize_chunks(data, scales, 8, 32, 100, torch.float32, out=buf) is buf
+    assert torch.equal(buf, ref.dequantize_chunks(data, scales, 8, 32, 100, torch.float32))
+    for bad in (torch.empty(3, 99), torch.empty(3, 100, dtype=torch.bfloat16),
+                torch.empty(100, 3).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            ref.dequantize_chunks(data, scales, 8, 32, 100, torch.float32, out=bad)

@@ -104,8 +104,12 @@ def test_quantize_and_dequantize_chunks(dtype, bits, n, block, tile):
     for fast in (False, True):
         assert same(tk.quantize_chunks(x, bits, block, tile=tile, fast=fast), want), fast
     for out in (torch.float32, dtype):
-        assert same(tk.dequantize_chunks(*want, bits, block, n, out, tile=tile),
-                    ref.dequantize_chunks(*want, bits, block, n, out))
+        expect = ref.dequantize_chunks(*want, bits, block, n, out)
+        assert same(tk.dequantize_chunks(*want, bits, block, n, out, tile=tile), expect)
+        # into a caller's buffer (qwZ writes straight into the gathered weights)
+        buf = torch.full((6, n), float("nan"), dtype=out)
+        assert tk.dequantize_chunks(*want, bits, block, n, out, out=buf, tile=tile) is buf
+        assert same(buf, expect)
 
 
 @needs_interpreter

@@ -94,5 +94,5 @@ def _gather_quantized(output, input, group, g, bits, block_size, nbytes) -> None
     recv = torch.empty(g, send.numel(), dtype=torch.uint8, device=send.device)
     all_gather_into(recv, send, group)
     all_data, all_scales = unpack_rows(recv, nbytes, data.dtype)
-    full = dequantize_chunks(all_data, all_scales, bits, block_size, n, output.dtype)
-    output.view(g, n).copy_(full)
+    dequantize_chunks(all_data, all_scales, bits, block_size, n, output.dtype,
+                      out=output.view(g, n))

@@ -158,7 +158,10 @@ def lane_stream(device: torch.device, lane: str) -> "torch.cuda.Stream":
     key = (index, lane)
     stream = _LANE_STREAMS.get(key)
     if stream is None:
-        stream = torch.cuda.Stream(device=index)
+        # High priority, as FSDP2 gives its all-gather streams: when a compute kernel frees SMs,
+        # the lane's short kernels (quantize, NCCL, dequantize) go first, so the gather the
+        # next layer waits for is not queued behind the current layer's GEMMs.
+        stream = torch.cuda.Stream(device=index, priority=-1)
         _LANE_STREAMS[key] = stream
     return stream
 

@@ -84,12 +84,14 @@ def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torc
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                      numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_chunks`: ``(C, numel)`` in ``dtype``."""
+                      numel: int, dtype: torch.dtype,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_chunks`: ``(C, numel)`` in ``dtype``, written into ``out``
+    (contiguous, that shape and dtype) when given, saving a copy."""
     impl = _impl(data.device)
     if impl is None:
-        return _ref.dequantize_chunks(data, scales, bits, block_size, numel, dtype)
-    return impl.dequantize_chunks(data, scales, bits, block_size, numel, dtype)
+        return _ref.dequantize_chunks(data, scales, bits, block_size, numel, dtype, out=out)
+    return impl.dequantize_chunks(data, scales, bits, block_size, numel, dtype, out=out)
 
 
 def quantize_blockwise(x: torch.Tensor, bits: int = 8, block_size: int = 256, *,

@@ -221,16 +221,35 @@ def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torc
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                      numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_chunks`: ``(C, numel)`` in ``dtype`` (padding dropped)."""
+                      numel: int, dtype: torch.dtype,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_chunks`: ``(C, numel)`` in ``dtype`` (padding dropped),
+    written into ``out`` when given."""
     if data.dim() != 2:
         raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
     check_codes(data, scales, bits, block_size, numel)
     check_float_dtype(dtype, "output dtype")
     rows, nblocks = scales.shape
+    check_out(out, rows, numel, dtype, data.device)
     q = unpack_codes(data, bits).view(rows, nblocks, block_size).to(torch.float32)
     x = (q * scales.unsqueeze(-1)).view(rows, nblocks * block_size)
-    return x[:, :numel].to(dtype)
+    if out is None:
+        return x[:, :numel].to(dtype)
+    out.copy_(x[:, :numel])
+    return out
+
+
+def check_out(out, rows: int, numel: int, dtype: torch.dtype, device) -> None:
+    """``out`` of a dequantization: None, or a contiguous (rows, numel) tensor of ``dtype``."""
+    if out is None:
+        return
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, numel)
+            or out.dtype != dtype or not out.is_contiguous() or out.device != device):
+        raise ValueError(
+            f"out must be a contiguous ({rows}, {numel}) {dtype} tensor on {device}, got "
+            + (f"{tuple(out.shape)} {out.dtype} on {out.device}, contiguous="
+               f"{out.is_contiguous()}" if isinstance(out, torch.Tensor) else type(out).__name__)
+        )
 
 
 def quantize_blockwise(x: torch.Tensor, bits: int = 8, block_size: int = 256, *,

@@ -43,6 +43,7 @@ from .reference import (
     check_bits_and_block_size,
     check_codes,
     check_float_dtype,
+    check_out,
     quantized_sizes,
 )
 
@@ -531,14 +532,17 @@ def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bit
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
-                      numel: int, dtype: torch.dtype, **tuning) -> torch.Tensor:
+                      numel: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+                      **tuning) -> torch.Tensor:
     """Triton :func:`.reference.dequantize_chunks`."""
     if data.dim() != 2:
         raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
     check_codes(data, scales, bits, block_size, numel)
     check_float_dtype(dtype, "output dtype")
     rows = data.shape[0]
-    out = torch.empty(rows, numel, dtype=dtype, device=data.device)
+    check_out(out, rows, numel, dtype, data.device)
+    if out is None:
+        out = torch.empty(rows, numel, dtype=dtype, device=data.device)
     if rows == 0 or numel == 0:
         return out
     _check_row_length(numel)
