@@ -171,3 +171,77 @@ def test_sharded_gradients_memory(sharded_vs_full):
         assert f["memory"]["grad"] == 4 * m  # megatron-core's full buffer
         assert s["memory"]["grad"] == 4 * m // z  # the fp32 shard; full grads freed
         assert s["memory"]["gathered"] == 0
+
+
+# -- bytes counted at the call -------------------------------------------------------------------
+def _model_and_handed(ctx, zeropp):
+    from zero3_runs import build, train
+
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp, dtype=torch.bfloat16,
+                                  opt={"bf16": True, "loss_scale": 1.0})
+    counts = []
+    train(wrapped, optimizer, 2, micro=1, global_batch=ctx.world_size * 2,
+          on_step=lambda i: counts.append(wrapped.comm_counts(reset=True)))
+    out = []
+    for step in counts:
+        for phase, c in step.items():
+            model = {(p, loc): c.total(protocol=p, locality=loc)
+                     for p in c.protocols for loc in ("intra", "inter")}
+            payload = {(p, loc): c.total(protocol=p, locality=loc, part="payload")
+                       for p in c.protocols for loc in ("intra", "inter")}
+            handed = {k: c.handed_by_key.get(k, 0) for k in model}
+            out.append((phase, model, payload, handed))
+    return out
+
+
+def _mismatches(model, handed):
+    return {k: (model[k], handed[k]) for k in model if model[k] != handed[k]}
+
+
+@pytest.mark.parametrize("zeropp", [ZeroPPConfig(), ALL, ZeroPPConfig(qwz=True, hpz=True,
+                                                                       shard_grads=True)])
+def test_modelled_bytes_equal_the_bytes_handed_to_torch_distributed(zeropp):
+    for phase, model, payload, handed in run_distributed(_model_and_handed, 2, 2,
+                                                         args=(zeropp,))[0]:
+        assert any(v > 0 for v in handed.values()), phase
+        assert not _mismatches(model, handed), (phase, _mismatches(model, handed))
+        if zeropp.qwz or zeropp.hpz or zeropp.qgz:
+            # Negative control: a model without the side data (scales, version tags) does not
+            # match what is sent, so the comparison above can fail.
+            if any(payload[k] != model[k] for k in model):
+                assert _mismatches(payload, handed)
+
+
+def _log_bytes(ctx, nmb):
+    import io
+    from contextlib import redirect_stdout
+
+    from megatron_zeropp.training.loop import pretrain
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+            "--global-batch-size", str(ctx.world_size * nmb), "--lr", "1e-3",
+            "--train-iters", "2", "--log-interval", "1", "--eval-interval", "1000",
+            "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "512", "--ranks-per-node", "2", "--zeropp-qwz", "--zeropp-hpz",
+            "--zeropp-qgz"]
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        pretrain(argv)
+    fields = {}
+    for line in buf.getvalue().splitlines():
+        if line.startswith(" iteration"):
+            for part in line.split("|"):
+                if "inter-node bytes per iteration" in part:
+                    key, value = part.rsplit(":", 1)
+                    fields[key.strip()] = float(value)
+    return fields
+
+
+def test_log_line_bytes_do_not_grow_with_micro_batches():
+    one = run_distributed(_log_bytes, 2, 2, args=(1,))[-1]  # the last rank logs
+    four = run_distributed(_log_bytes, 2, 2, args=(4,))[-1]
+    for key in ("inter-node bytes per iteration", "inter-node bytes per iteration at the call"):
+        assert 0 < four[key] <= 1.25 * one[key], (key, one, four)
+    at_call = one["inter-node bytes per iteration at the call"]
+    assert one["inter-node bytes per iteration"] == at_call

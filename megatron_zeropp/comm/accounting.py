@@ -29,6 +29,16 @@ The node of a global rank is ``rank // ranks_per_node``; the group's global rank
 ``torch.distributed.get_process_group_ranks`` (never from "consecutive ranks"), so the
 classification stays right under any TP/PP/CP layout.
 
+Counted at the call
+-------------------
+Besides that model, every collective the protocols issue records the tensor it actually hands to
+``torch.distributed`` (``record_handed``, called from :mod:`.common`'s collective helpers while a
+counted protocol call runs): its byte size, the kind of collective and the group. Converted with
+the same conventions (ring: ``(g - 1)`` x the send buffer of an all-gather, ``(g - 1) / g`` of a
+reduce-scatter's input; all-to-all: the send buffer's equal splits by destination), these
+"handed" bytes must equal the model's bytes per protocol and locality; the tests check that, so
+the model cannot drift from what is sent (packing, padding, scales, tags included).
+
 Usage::
 
     stats = CommStats(topology)            # or CommStats(ranks_per_node=8)
@@ -58,6 +68,16 @@ class StepCounts:
     """Bytes per ``(protocol, locality, part)``; keys with zero bytes may be absent."""
     calls: Mapping[str, int] = field(default_factory=dict)
     """Number of protocol calls per protocol name (a call may issue several collectives)."""
+    handed_by_key: Mapping[Tuple[str, str], float] = field(default_factory=dict)
+    """Bytes per ``(protocol, locality)`` derived from the tensors handed to
+    ``torch.distributed`` (see "Counted at the call" in the module docstring)."""
+
+    def handed_total(self, protocol: Optional[str] = None,
+                     locality: Optional[str] = None) -> float:
+        """Sum of handed bytes over the keys matching the given filters."""
+        return sum(n for (p, loc), n in self.handed_by_key.items()
+                   if (protocol is None or p == protocol)
+                   and (locality is None or loc == locality))
 
     @property
     def protocols(self) -> Tuple[str, ...]:
@@ -122,6 +142,7 @@ class CommStats:
         self._lock = threading.Lock()
         self._bytes: Dict[Key, int] = {}
         self._calls: Dict[str, int] = {}
+        self._handed: Dict[Tuple[str, str], float] = {}
 
     def node_of(self, rank: int) -> int:
         """Node index of a global rank."""
@@ -172,17 +193,47 @@ class CommStats:
             loc = "intra" if self.node_of(r) == mine else "inter"
             self._add(protocol, loc, payload_per_peer, scales_per_peer)
 
+    def record_handed(self, protocol: str, kind: str, ranks: Sequence[int], me: int,
+                      nbytes: int) -> None:
+        """Record a tensor of ``nbytes`` handed to a ``torch.distributed`` collective of
+        ``kind`` (``"all_gather"``: the send buffer; ``"reduce_scatter"``: the input;
+        ``"all_to_all"``: the send buffer, equal splits) over global ``ranks``."""
+        g = len(ranks)
+        if g < 2:
+            return
+        if kind == "all_gather":
+            self._add_handed(protocol, self._ring_locality(ranks), (g - 1) * nbytes)
+        elif kind == "reduce_scatter":
+            self._add_handed(protocol, self._ring_locality(ranks), (g - 1) * nbytes / g)
+        elif kind == "all_to_all":
+            mine = self.node_of(me)
+            for r in ranks:
+                if r != me:
+                    loc = "intra" if self.node_of(r) == mine else "inter"
+                    self._add_handed(protocol, loc, nbytes / g)
+        else:
+            raise ValueError(f"unknown collective kind {kind!r}")
+
+    def _ring_locality(self, ranks) -> str:
+        return "inter" if self.spans_nodes(ranks) else "intra"
+
+    def _add_handed(self, protocol: str, locality: str, n: float) -> None:
+        with self._lock:
+            key = (protocol, locality)
+            self._handed[key] = self._handed.get(key, 0) + n
+
     def peek(self) -> StepCounts:
         """The counts so far this step, without resetting."""
         with self._lock:
-            return StepCounts(dict(self._bytes), dict(self._calls))
+            return StepCounts(dict(self._bytes), dict(self._calls), dict(self._handed))
 
     def step(self) -> StepCounts:
         """Return the counts of this step and reset them."""
         with self._lock:
-            out = StepCounts(dict(self._bytes), dict(self._calls))
+            out = StepCounts(dict(self._bytes), dict(self._calls), dict(self._handed))
             self._bytes.clear()
             self._calls.clear()
+            self._handed.clear()
         return out
 
     def _add(self, protocol: str, locality: str, payload: int, scales: int) -> None:

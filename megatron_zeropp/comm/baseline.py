@@ -50,7 +50,7 @@ def zero3_all_gather(
     def body():
         all_gather_into(output.view(-1), input.view(-1), group)
 
-    return run_protocol(body, async_op, ALLGATHER, input.device)
+    return run_protocol(body, async_op, ALLGATHER, input.device, stats=stats)
 
 
 def zero3_reduce_scatter(
@@ -80,7 +80,8 @@ def zero3_reduce_scatter(
     def body():
         reduce_scatter_from(output.view(-1), input.view(-1), rop, group)
 
-    return run_protocol(body, async_op, REDUCE_SCATTER, input.device, lane="reduce", keep=(input,))
+    return run_protocol(body, async_op, REDUCE_SCATTER, input.device, lane="reduce",
+                        keep=(input,), stats=stats)
 
 
 def _check_full_and_shard(op, full_name, full, shard_name, shard, group):

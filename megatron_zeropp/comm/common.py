@@ -5,6 +5,7 @@ Kept apart from the protocols so each protocol module reads as its algorithm onl
 
 from __future__ import annotations
 
+import contextvars
 from typing import List, Tuple
 
 import torch
@@ -28,20 +29,41 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+# (protocol name, CommStats) of the counted protocol call running in this context; set by
+# work.run_protocol, read by the collective helpers below to record what they hand over.
+CURRENT_CALL: contextvars.ContextVar = contextvars.ContextVar("zeropp_call", default=None)
+
+
+def _record_handed(kind: str, group, tensor: torch.Tensor) -> None:
+    call = CURRENT_CALL.get()
+    if call is not None:
+        protocol, stats = call
+        stats.record_handed(protocol, kind, group_ranks(group), dist.get_rank(),
+                            tensor.numel() * tensor.element_size())
+
+
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """Synchronous equal-size all-gather of contiguous tensors, as flat buffers.
 
     Flat on both sides because gloo splits a 2-D output along dim 0 and then insists each piece
     has the input's exact shape. (The function's name differs across torch versions.)
     """
+    _record_handed("all_gather", group, input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output.view(-1), input.view(-1), group=group)
 
 
 def reduce_scatter_from(output: torch.Tensor, input: torch.Tensor, op, group) -> None:
     """Synchronous equal-size reduce-scatter of contiguous tensors, as flat buffers."""
+    _record_handed("reduce_scatter", group, input)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(output.view(-1), input.view(-1), op=op, group=group)
+
+
+def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """Synchronous all-to-all with equal splits along dim 0."""
+    _record_handed("all_to_all", group, input)
+    dist.all_to_all_single(output, input, group=group)
 
 
 def check_tensor(name: str, t, dtypes=FLOAT_DTYPES, contiguous: bool = True) -> None:

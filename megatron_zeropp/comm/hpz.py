@@ -202,7 +202,7 @@ class SecondaryPartition:
                 recv[:, : self._slice_bytes].reshape(-1)[:nbytes]
             )
 
-        handle = run_protocol(body, async_op, ALLGATHER, self.device)
+        handle = run_protocol(body, async_op, ALLGATHER, self.device, stats=stats)
         if handle is not None:
             self._inflight = [h for h in self._inflight if not h.is_completed()] + [handle]
         return handle

@@ -45,6 +45,7 @@ from megatron_zeropp.quant import dequantize_reduce, quantized_sizes, swizzled_q
 from .accounting import CommStats
 from .common import (
     FLOAT_DTYPES,
+    all_to_all_into,
     check_member,
     check_op,
     check_quant_args,
@@ -176,7 +177,8 @@ def qgz_reduce_scatter(
             total.div_(plan.dp_size)
         output.view(-1).copy_(total.view(-1))
 
-    return run_protocol(body, async_op, REDUCE_SCATTER, input.device, lane="reduce", keep=(input,))
+    return run_protocol(body, async_op, REDUCE_SCATTER, input.device, lane="reduce",
+                        keep=(input,), stats=stats)
 
 
 def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me) -> None:
@@ -215,7 +217,7 @@ def _intra_node_hop(plan: QgzPlan, data, scales, group):
     K, N, c, bs = plan.nodes, plan.ranks_per_node, plan.chunk_numel, plan.block_size
     send = pack_rows(data, scales)  # (Z, row bytes), in send-position order
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    all_to_all_into(recv, send, group)
     # Received rows: from intra peer j, the K chunks k' * N + (my intra index), k' = 0..K-1.
     r_data, r_scales = unpack_rows(recv, plan.hop1_row[0], data.dtype)
     r_data = r_data.view(N, K, -1)
@@ -233,7 +235,7 @@ def _inter_node_hop(plan: QgzPlan, rows, group) -> torch.Tensor:
     K, c, bs = plan.nodes, plan.chunk_numel, plan.block_size
     send = pack_rows(data, scales)  # (K, row bytes)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    all_to_all_into(recv, send, group)
     r_data, r_scales = unpack_rows(recv, plan.hop2_row[0], data.dtype)
     return dequantize_reduce(
         r_data.view(K, 1, -1), r_scales.view(K, 1, -1), plan.bits[1], bs, c,

@@ -84,7 +84,7 @@ def qwz_all_gather(
     def body():
         _gather_quantized(output, input, group, g, bits, block_size, nbytes)
 
-    return run_protocol(body, async_op, ALLGATHER, input.device)
+    return run_protocol(body, async_op, ALLGATHER, input.device, stats=stats)
 
 
 def _gather_quantized(output, input, group, g, bits, block_size, nbytes) -> None:

@@ -49,6 +49,8 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from .common import CURRENT_CALL
+
 LANES = ("gather", "reduce")
 
 
@@ -170,7 +172,7 @@ def _run_on_lane(fn, async_op, name, device, lane, keep):
     stream = lane_stream(device, lane)
     caller = torch.cuda.current_stream(device)
     stream.wait_stream(caller)
-    with torch.cuda.stream(stream), torch.no_grad():
+    with torch.cuda.stream(stream):
         fn()
     for t in keep:
         t.record_stream(stream)
@@ -189,23 +191,31 @@ def run_protocol(
     device: Optional[torch.device] = None,
     lane: str = "gather",
     keep: Iterable[torch.Tensor] = (),
+    stats=None,
 ):
     """Run a validated protocol body on its device's backend (see the module docstring).
 
     ``fn`` must be fully validated already: it is the part that issues collectives. ``lane``
     picks the CUDA stream (``"gather"`` or ``"reduce"``); ``keep`` lists caller-owned tensors
-    the body uses that the caller may free before waiting. Returns ``None`` when sync, a handle
-    (:class:`CudaCommHandle` on CUDA, :class:`CommHandle` on CPU) when async.
+    the body uses that the caller may free before waiting. ``stats`` (a ``CommStats``) receives
+    the bytes of every tensor the body hands to ``torch.distributed``, under ``name``. Returns
+    ``None`` when sync, a handle (:class:`CudaCommHandle` on CUDA, :class:`CommHandle` on CPU)
+    when async.
     """
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
-    if device is not None and torch.device(device).type == "cuda":
-        return _run_on_lane(fn, async_op, name, torch.device(device), lane, tuple(keep))
 
     def body():
         # Grad mode is thread-local and on by default in a new thread; collectives never need it.
-        with torch.no_grad():
-            fn()
+        token = CURRENT_CALL.set((name, stats) if stats is not None else None)
+        try:
+            with torch.no_grad():
+                fn()
+        finally:
+            CURRENT_CALL.reset(token)
+
+    if device is not None and torch.device(device).type == "cuda":
+        return _run_on_lane(body, async_op, name, torch.device(device), lane, tuple(keep))
 
     if _on_comm_thread():
         # A protocol composed of others (e.g. reduce then accumulate) already runs on the FIFO

@@ -46,8 +46,9 @@ class IntervalStats:
         """Add one iteration's per-phase StepCounts."""
         for phase, c in counts.items():
             for locality in ("intra", "inter"):
-                key = f"{locality}"
-                self.bytes[key] = self.bytes.get(key, 0) + c.total(locality=locality)
+                self.bytes[locality] = self.bytes.get(locality, 0) + c.total(locality=locality)
+                key = f"{locality} handed"
+                self.bytes[key] = self.bytes.get(key, 0) + c.handed_total(locality=locality)
             for protocol in c.protocols:
                 key = f"{protocol} {phase}"
                 self.bytes[key] = self.bytes.get(key, 0) + c.total(protocol=protocol)
@@ -85,7 +86,11 @@ def training_log_line(
     if stats.bytes:
         parts.append(f"inter-node bytes per iteration: {stats.bytes.get('inter', 0) / n:.4E}")
         parts.append(f"intra-node bytes per iteration: {stats.bytes.get('intra', 0) / n:.4E}")
-        for key in sorted(k for k in stats.bytes if k not in ("inter", "intra")):
+        # The same, from the tensors handed to torch.distributed (comm/accounting.py).
+        parts.append("inter-node bytes per iteration at the call: "
+                     f"{stats.bytes.get('inter handed', 0) / n:.4E}")
+        plain = ("inter", "intra", "inter handed", "intra handed")
+        for key in sorted(k for k in stats.bytes if k not in plain):
             parts.append(f"{key} bytes per iteration: {stats.bytes[key] / n:.4E}")
     return " | ".join(parts) + " |"
 
