@@ -77,7 +77,7 @@ def _stale_read(ctx):
     # Device side: a secondary whose host-side version lies (claims the current version, holds
     # the previous one) is read, and the step-end check raises on every rank.
     wrapped.weights_changed()
-    for sec in unit.secondaries:
+    for sec in unit.secondary.partitions:
         sec._version = wrapped.weight_version
     unit.start_gather(wrapped.weight_version, "backward", async_op=False)
     unit.release()

@@ -9,7 +9,7 @@ for the byte model.
 
 from .accounting import CommStats, StepCounts
 from .baseline import zero3_all_gather, zero3_reduce_scatter
-from .hpz import SecondaryPartition, StaleSecondaryError
+from .hpz import SecondaryPartition, SecondaryWeights, StaleSecondaryError
 from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter
 from .qwz import qwz_all_gather
 from .work import CommHandle
@@ -19,6 +19,7 @@ __all__ = [
     "CommStats",
     "QgzPlan",
     "SecondaryPartition",
+    "SecondaryWeights",
     "StaleSecondaryError",
     "StepCounts",
     "qgz_plan",

@@ -237,3 +237,47 @@ def _raise_if_stale(ranks, tags, version) -> None:
 def _check_version(version) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ValueError(f"hpZ weight version must be an int >= 0, got {version!r}")
+
+
+class SecondaryWeights:
+    """hpZ for one gather unit: a :class:`SecondaryPartition` per flat weight buffer of the unit,
+    kept and read together. The one place that decides whether a gather may stay in the node.
+
+    A gather of a unit at weight version ``v`` reads the secondaries when :meth:`fresh` says
+    every partition holds ``v`` on this rank (host-side versions: every rank runs the same
+    schedule, so they agree, and the device tags check that at the step's end); otherwise it
+    gathers the primary shards across nodes and :meth:`refresh` keeps this rank's slice of the
+    result.
+    """
+
+    def __init__(self, group, buffers, device=None):
+        self.partitions = [
+            SecondaryPartition(group, b.numel(), b.dtype, b.device if device is None else device)
+            for b in buffers
+        ]
+
+    def fresh(self, version: int) -> bool:
+        """Whether every partition holds ``version`` on this rank (host state, no sync)."""
+        return all(p.is_fresh(version) for p in self.partitions)
+
+    def gather_into(self, outputs, version: int, async_op: bool, stale_flag, stats) -> list:
+        """Rebuild each full buffer from the node's slices; returns the async handles."""
+        handles = [
+            p.all_gather(out, version, async_op, stale_flag=stale_flag, stats=stats)
+            for p, out in zip(self.partitions, outputs)
+        ]
+        return [h for h in handles if h is not None]
+
+    def refresh(self, fulls, version: int) -> None:
+        """Keep this rank's slice of each freshly gathered full buffer, tagged ``version``."""
+        for p, full in zip(self.partitions, fulls):
+            p.refresh(full, version)
+
+    def invalidate(self) -> None:
+        """Mark every partition unusable."""
+        for p in self.partitions:
+            p.invalidate()
+
+    def storage_bytes(self) -> int:
+        """Bytes kept on this rank (slices and version tags), from the live storages."""
+        return sum(p.storage_bytes() for p in self.partitions)

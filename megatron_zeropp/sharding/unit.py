@@ -35,7 +35,7 @@ import torch
 
 from megatron_zeropp.comm import (
     CommStats,
-    SecondaryPartition,
+    SecondaryWeights,
     qgz_reduce_scatter,
     qwz_all_gather,
     zero3_all_gather,
@@ -160,14 +160,11 @@ class ShardedUnit:
             # optimizer updates (it owns chunk r of every bucket).
             chunk = n // z
             self.shards.append(bucket.param_data.view(-1)[r * chunk : (r + 1) * chunk].clone())
-        self.secondaries: List[Optional[SecondaryPartition]] = [None] * len(self.buckets)
+        self.secondary: Optional[SecondaryWeights] = None
         if comm.config.hpz:
-            self.secondaries = [
-                SecondaryPartition(
-                    comm.groups.hpz, b.param_data.numel(), b.param_data.dtype, b.param_data.device
-                )
-                for b in self.buckets
-            ]
+            self.secondary = SecondaryWeights(
+                comm.groups.hpz, [b.param_data for b in self.buckets]
+            )
         self._nbytes = [buf.param_data.untyped_storage().nbytes() for buf in buffers]
         self.shard_grads = comm.config.shard_grads
         self.grad_shards: List[torch.Tensor] = []
@@ -216,7 +213,7 @@ class ShardedUnit:
         read from the live storages (a freed gradient buffer counts 0)."""
         return {
             "primary": sum(s.untyped_storage().nbytes() for s in self.shards),
-            "secondary": sum(s.storage_bytes() for s in self.secondaries if s is not None),
+            "secondary": self.secondary.storage_bytes() if self.secondary is not None else 0,
             "grad": sum(buf.grad_data.untyped_storage().nbytes() for buf in self.buffers)
             + sum(g.untyped_storage().nbytes() for g in self.grad_shards),
         }
@@ -226,10 +223,6 @@ class ShardedUnit:
         return sum(buf.param_data.untyped_storage().nbytes() for buf in self.buffers)
 
     # -- gathers ---------------------------------------------------------------------------
-    def _secondaries_fresh(self, version: int) -> bool:
-        secs = [s for s in self.secondaries if s is not None]
-        return bool(secs) and all(s.is_fresh(version) for s in secs)
-
     def start_gather(self, version: int, phase: str, async_op: bool) -> None:
         """Allocate and start filling the full weights for ``phase`` at weight ``version``.
 
@@ -242,22 +235,19 @@ class ShardedUnit:
         if self.state is not UnitState.RELEASED:
             raise RuntimeError(f"unit {self.name}: gather started while {self.state.value}")
         self._alloc()
-        handles = []
-        from_secondary = phase != "exact" and self._secondaries_fresh(version)
-        for i, bucket in enumerate(self.buckets):
-            if from_secondary:
-                sec = self.secondaries[i]
-                handles.append(sec.all_gather(
-                    bucket.param_data, version, async_op,
-                    stale_flag=self.comm.stale_flag(bucket.param_data.device),
-                    stats=self.comm.stats[phase],
-                ))
-            else:
-                handles.append(
-                    self.comm.gather_weights(bucket.param_data, self.shards[i], phase, async_op)
-                )
-        self._handles = [h for h in handles if h is not None]
-        self._refresh_after_wait = not from_secondary and phase != "exact"
+        outputs = [b.param_data for b in self.buckets]
+        sec = self.secondary
+        from_secondary = phase != "exact" and sec is not None and sec.fresh(version)
+        if from_secondary:
+            self._handles = sec.gather_into(
+                outputs, version, async_op, self.comm.stale_flag(outputs[0].device),
+                self.comm.stats[phase],
+            )
+        else:
+            handles = [self.comm.gather_weights(out, shard, phase, async_op)
+                       for out, shard in zip(outputs, self.shards)]
+            self._handles = [h for h in handles if h is not None]
+        self._refresh_after_wait = sec is not None and not from_secondary and phase != "exact"
         self.state = UnitState.GATHERING
         self.version = version
         self.phase = phase
@@ -273,9 +263,7 @@ class ShardedUnit:
         self.state = UnitState.GATHERED
         if self._refresh_after_wait:
             self._refresh_after_wait = False
-            for i, sec in enumerate(self.secondaries):
-                if sec is not None:
-                    sec.refresh(self.buckets[i].param_data, self.version)
+            self.secondary.refresh([b.param_data for b in self.buckets], self.version)
 
     def ensure(self, version: int, phase: str) -> None:
         """Make the full weights of ``version`` present (gather now if needed)."""
