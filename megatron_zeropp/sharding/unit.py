@@ -36,6 +36,7 @@ import torch
 from megatron_zeropp.comm import (
     CommStats,
     SecondaryWeights,
+    StaleSecondaryError,
     qgz_reduce_scatter,
     qwz_all_gather,
     zero3_all_gather,
@@ -80,8 +81,6 @@ class ShardComm:
         for flag in self._stale_flags.values():
             if bool(flag.item()):
                 flag.zero_()
-                from megatron_zeropp.comm import StaleSecondaryError
-
                 raise StaleSecondaryError(
                     "an hpZ secondary partition was read at a weight version another rank of its "
                     "group did not hold: the gradients of this step are not to be trusted"
@@ -180,7 +179,6 @@ class ShardedUnit:
             self._free_grads()
         self.state = UnitState.GATHERED
         self.version: Optional[int] = None  # weight version of the gathered data
-        self.phase: Optional[str] = None
         self._handles: list = []
         self._refresh_after_wait = False
         self.users = 0
@@ -203,7 +201,6 @@ class ShardedUnit:
             buf.param_data.untyped_storage().resize_(0)
         self.state = UnitState.RELEASED
         self.version = None
-        self.phase = None
         self.users = 0
         self.in_backward = False
         self.grads_pending = set()
@@ -250,7 +247,6 @@ class ShardedUnit:
         self._refresh_after_wait = sec is not None and not from_secondary and phase != "exact"
         self.state = UnitState.GATHERING
         self.version = version
-        self.phase = phase
 
     def wait(self) -> None:
         """Finish an in-flight gather (on CUDA: order the current stream after it); refresh the
