@@ -121,6 +121,22 @@ def _run_and_data_args(p: argparse.ArgumentParser) -> None:
                    help="load this iteration instead of the latest")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    _safety_args(g)
+
+
+def _safety_args(g) -> None:
+    # What the run does when input is wrong (docs: README "What happens when things go wrong").
+    g.add_argument("--load-optional", action="store_true",
+                   help="start from scratch when --load holds no checkpoint (else an error)")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let saves replace iterations in --save newer than this run's start")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, the LR schedule of the command line, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, the checkpoint's LR schedule, not the command line's")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="keep training when the loss or the gradients are NaN/Inf")
 
 
 def _zeropp_args(p: argparse.ArgumentParser) -> None:
@@ -230,6 +246,11 @@ def validate(args, world_size: int) -> None:
                                             world_size % args.ranks_per_node):
         errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "
                       f"{world_size}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                      "are mutually exclusive")
+    if args.load_optional and args.load is None:
+        errors.append("--load-optional needs --load")
     if args.save_interval is not None and args.save is None:
         errors.append("--save-interval needs --save")
     for name in ("train_iters", "log_interval", "eval_interval", "micro_batch_size"):

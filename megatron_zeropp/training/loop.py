@@ -14,7 +14,8 @@ from megatron_zeropp.backend import default_device, init_distributed, init_megat
 from megatron_zeropp.topology import build_topology
 
 from .arguments import parse_args, print_args
-from .checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from . import checkpoint_checks
+from .checkpoint import load_checkpoint, save_checkpoint
 from .gpt_step import eval_step, train_step
 from .logging_utils import IntervalStats, TensorBoard, training_log_line, validation_log_line
 from .model import (
@@ -121,6 +122,9 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     _quiet_known_warnings()
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
+    load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional)
+    checkpoint_checks.check_save_target(args.save, load_iteration or 0,
+                                        args.overwrite_checkpoints)
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -129,6 +133,9 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
     tokenizer, (train_ds, valid_ds, _) = _setup_data(args, _tokenizer_args(args))
+    if load_iteration is not None:
+        checkpoint_checks.check_model_config(args.load, load_iteration,
+                                             checkpoint_checks.model_config(args))
     if rank == 0:
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
@@ -141,10 +148,12 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         print(f"> data-parallel layer: {model.zeropp.describe()}, {len(model.units)} units",
               flush=True)
     iteration, consumed = 0, 0
-    if args.load and latest_iteration(args.load) is not None:
+    if load_iteration is not None:
         iteration, consumed = load_checkpoint(
-            args.load, chunks, optimizer, scheduler, args.ckpt_step,
-            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+            args.load, chunks, optimizer, scheduler, load_iteration,
+            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+            override_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler)
         _log(f"> loaded checkpoint of iteration {iteration} from {args.load}")
         if on_iteration is not None:
             on_iteration(iteration, chunks, optimizer)
@@ -209,7 +218,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                           or last or exiting):
             save_checkpoint(args.save, iteration, consumed, chunks, optimizer, scheduler,
-                            extra={"args": vars(args)})
+                            extra={"args": vars(args)}, overwrite=args.overwrite_checkpoints,
+                            model_config=checkpoint_checks.model_config(args))
             _log(f"> saved checkpoint of iteration {iteration} to {args.save}")
         if exiting:
             break
