@@ -16,8 +16,9 @@ SUPPORTED_FLAGS = sorted("""
 --num-attention-heads --num-layers --num-query-groups --optimizer --overlap-grad-reduce
 --pipeline-model-parallel-size --position-embedding-type --ranks-per-node
 --recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
---save --save-interval --load-optional --overwrite-checkpoints --override-opt_param-scheduler
---use-checkpoint-opt_param-scheduler --no-check-for-nan-in-loss-and-grad --seed --seq-length --sequence-parallel --split --swiglu
+--save --save-interval --load-optional --overwrite-checkpoints
+--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler
+--no-check-for-nan-in-loss-and-grad --seed --seq-length --sequence-parallel --split --swiglu
 --tensor-model-parallel-size --tensorboard-dir --test-data-path --tokenizer-model
 --tokenizer-type --train-data-path --train-iters --transformer-impl
 --untie-embeddings-and-output-weights --valid-data-path --vocab-size --weight-decay

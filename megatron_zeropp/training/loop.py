@@ -13,8 +13,8 @@ import torch.distributed as dist
 from megatron_zeropp.backend import default_device, init_distributed, init_megatron
 from megatron_zeropp.topology import build_topology
 
-from .arguments import parse_args, print_args
 from . import checkpoint_checks
+from .arguments import parse_args, print_args
 from .checkpoint import load_checkpoint, save_checkpoint
 from .gpt_step import eval_step, train_step
 from .logging_utils import IntervalStats, TensorBoard, training_log_line, validation_log_line
