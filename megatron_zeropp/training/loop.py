@@ -86,6 +86,16 @@ def _tokenizer_args(args) -> dict:
     return kwargs
 
 
+def _check_data_files(args, tokenizer_args) -> None:
+    from megatron_zeropp.data.tokenizers import build_tokenizer
+    from megatron_zeropp.data.validate import check_data_files, data_prefixes
+
+    prefixes = data_prefixes(args.data_path, args.train_data_path, args.valid_data_path,
+                             args.test_data_path)
+    if prefixes:
+        check_data_files(prefixes, build_tokenizer(**tokenizer_args).vocab_size)
+
+
 def _batches(dataset, args, dp_rank, dp_size, consumed, device):
     from megatron_zeropp.data.batches import make_batch_iterator
 
@@ -125,6 +135,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional)
     checkpoint_checks.check_save_target(args.save, load_iteration or 0,
                                         args.overwrite_checkpoints)
+    tokenizer_args = _tokenizer_args(args)
+    _check_data_files(args, tokenizer_args)
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -132,7 +144,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
-    tokenizer, (train_ds, valid_ds, _) = _setup_data(args, _tokenizer_args(args))
+    tokenizer, (train_ds, valid_ds, _) = _setup_data(args, tokenizer_args)
     if load_iteration is not None:
         checkpoint_checks.check_model_config(args.load, load_iteration,
                                              checkpoint_checks.model_config(args))
