@@ -85,8 +85,8 @@ def check_pair(prefix: str) -> numpy.dtype:
     if len(lengths) == 0:
         raise _fail(idx, "holds no documents")
     if (lengths < 0).any():
-        raise _fail(idx, f"has negative sequence lengths (first at {int(numpy.argmax(lengths < 0))})"
-                    )
+        first = int(numpy.argmax(lengths < 0))
+        raise _fail(idx, f"has negative sequence lengths (first at sequence {first})")
     ends = pointers + lengths.astype(numpy.int64) * dtype.itemsize
     bad = numpy.flatnonzero(pointers[1:] != ends[:-1])
     if pointers[0] != 0 or len(bad):
