@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Callable, List, Optional
 
-from megatron_zeropp.errors import StartupError
+from megatron_zeropp.errors import NonFiniteError, StartupError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -90,17 +90,18 @@ def failure_line(rank: str, exc: BaseException) -> str:
 def run_guarded(fn: Callable[[], object]) -> None:
     """Run ``fn``; on an exception print it with :func:`failure_line` and exit 1 immediately.
 
-    A :class:`StartupError` is bad input, not a crash: one line from rank 0, exit code 2.
+    A :class:`StartupError` is bad input, not a crash: one line from rank 0, exit code 2; a
+    :class:`NonFiniteError` (same on every rank) is one line from rank 0 too, exit code 1.
     """
     try:
         fn()
     except SystemExit:
         raise
-    except StartupError as exc:
+    except (StartupError, NonFiniteError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(2)
+        os._exit(2 if isinstance(exc, StartupError) else 1)
     except BaseException as exc:  # noqa: BLE001 -- every failure must end the process
         rank = os.environ.get("RANK", "0")
         traceback.print_exc()

@@ -25,6 +25,7 @@ from .model import (
     transformer_config,
     wrap_data_parallel,
 )
+from .nan_check import check_finite
 
 
 def _log(*parts) -> None:
@@ -194,6 +195,9 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         if not result.skipped:
             scheduler.step(increment=args.global_batch_size)
         iteration += 1
+        if args.check_for_nan_in_loss_and_grad:
+            check_finite(iteration, result.loss, result.grad_norm, result.skipped,
+                         dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += args.global_batch_size
         stats.iterations += 1
         stats.skipped += int(result.skipped)
