@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import List, Optional
 
 import torch
+
+from . import arg_checks
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -162,7 +165,7 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by the test that fixes the set of flags)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining on megatron-core with the ZeRO++ data-parallel layer",
     )
@@ -183,6 +186,18 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     except ValueError as e:
         build_parser().error(str(e))
     return args
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports an error in one line, from rank 0 only, before any process group.
+
+    The stock parser prints the whole usage (70 lines) on every rank of the job.
+    """
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (--help lists the flags)\n")
+        sys.exit(2)
 
 
 def _ffn_default(args) -> int:
@@ -256,10 +271,14 @@ def validate(args, world_size: int) -> None:
     for name in ("train_iters", "log_interval", "eval_interval", "micro_batch_size"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    errors += arg_checks.layout_errors(args, world_size)
     if errors:
         raise ValueError("; ".join(errors))
     # Build the dataclasses now so their own validation also runs before any collective.
-    zeropp_config(args)
+    try:
+        zeropp_config(args)
+    except ValueError as e:
+        raise ValueError(arg_checks.zeropp_flag_names(str(e))) from None
 
 
 def zeropp_config(args):

@@ -112,6 +112,9 @@ def run_guarded(fn: Callable[[], object]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """pretrain_gpt.py's ``__main__``: one-rank defaults, pretraining, a clean failure."""
+    from .fallbacks import silence_fallback_warnings
+
+    silence_fallback_warnings()
     try:
         single_process_defaults()
     except ValueError as exc:

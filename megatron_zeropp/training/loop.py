@@ -16,6 +16,7 @@ from megatron_zeropp.topology import build_topology
 from . import checkpoint_checks
 from .arguments import parse_args, print_args
 from .checkpoint import load_checkpoint, save_checkpoint
+from .fallbacks import fallback_summary, silence_fallback_warnings
 from .gpt_step import eval_step, train_step
 from .logging_utils import IntervalStats, TensorBoard, training_log_line, validation_log_line
 from .model import (
@@ -39,6 +40,7 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    silence_fallback_warnings()
 
 
 def _to_device(it: Iterator[dict], device) -> Iterator[dict]:
@@ -152,6 +154,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     if rank == 0:
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
+        if fallback_summary():
+            print(fallback_summary(), flush=True)
     config = transformer_config(args)
     model = wrap_data_parallel(args, config, build_gpt(args, config, args.padded_vocab_size),
                                topology)
