@@ -43,6 +43,9 @@ def _hook():
 
 
 if __name__ == "__main__":
+    from megatron_zeropp.training.fallbacks import silence_fallback_warnings
+
+    silence_fallback_warnings()  # as pretrain_gpt.py does, before megatron-core is imported
     from megatron_zeropp.training.launch import run_guarded, single_process_defaults
     from megatron_zeropp.training.loop import pretrain
 
