@@ -93,8 +93,8 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     _ref.check_codes(data, scales, bits, block_size, numel)
     _ref.check_float_dtype(dtype, "output dtype")
     rows, nblocks = scales.shape
-    q = codes_fp32(data, bits).view(rows, nblocks, block_size)
-    return (q * scales.unsqueeze(-1)).view(rows, -1)[:, :numel].to(dtype)
+    q = codes_fp32(data, bits).view(rows, nblocks, block_size).mul_(scales.unsqueeze(-1))
+    return q.view(rows, -1)[:, :numel].to(dtype)
 
 
 def dequantize_reduce(
