@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import traceback
 from typing import Callable, List, Optional
 
 from megatron_zeropp.errors import NonFiniteError, StartupError
 
+RANK0_GRACE_S = 30.0
+"""How long other ranks wait for rank 0 to report an error all ranks found."""
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +103,10 @@ def run_guarded(fn: Callable[[], object]) -> None:
     except (StartupError, NonFiniteError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            # The launcher stops every rank when the first one exits; let rank 0, which reached
+            # the same error, print it first (the launcher ends this wait).
+            time.sleep(RANK0_GRACE_S)
         sys.stdout.flush()
         os._exit(2 if isinstance(exc, StartupError) else 1)
     except BaseException as exc:  # noqa: BLE001 -- every failure must end the process
