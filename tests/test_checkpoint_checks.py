@@ -85,8 +85,21 @@ def test_model_config_mismatch_lists_both_values(tmp_path):
     assert "padded vocabulary size checkpoint 128 vs this run 256" in text
     assert "dtype checkpoint 'fp32' vs this run 'bf16'" in text
     assert "--hidden-size" not in text
-    with pytest.raises(StartupError, match="model_config.json is missing"):
+    with pytest.raises(StartupError, match="neither model_config.json nor rank files"):
         cc.check_model_config(str(tmp_path), 6, cc.model_config(saved))
+
+
+def test_checkpoints_without_model_config_are_checked_from_their_arguments(tmp_path):
+    saved = parse_args(BASE, world_size=1)
+    saved.padded_vocab_size = 128
+    os.makedirs(tmp_path / "iter_0000003")
+    torch.save({"extra": {"args": vars(saved)}},
+               str(tmp_path / "iter_0000003" / "mp_rank_00_000_dp_000.pt"))
+    cc.check_model_config(str(tmp_path), 3, cc.model_config(saved))
+    wider = parse_args([a if a != "64" else "128" for a in BASE], world_size=1)
+    wider.padded_vocab_size = 128
+    with pytest.raises(StartupError, match="--hidden-size checkpoint 64 vs this run 128"):
+        cc.check_model_config(str(tmp_path), 3, cc.model_config(wider))
 
 
 def _scheduler(train_iters):

@@ -4,9 +4,9 @@
   mean "start from scratch" (the usual job-script pattern ``--load $DIR --save $DIR``).
 * A save never moves ``latest_checkpointed_iteration.txt`` backwards nor replaces an existing
   iteration unless ``--overwrite-checkpoints`` says so; the run refuses at start when it would.
-* Each checkpoint carries ``model_config.json``; loading compares it with this run's model and
-  reports every difference with both values (a checkpoint of another model used to load silently,
-  dropping layers).
+* Each checkpoint carries ``model_config.json`` (older ones: the arguments in their rank files);
+  loading compares it with this run's model and reports every difference with both values (a
+  checkpoint of another model used to load silently, dropping layers).
 * The LR schedule on resume follows Megatron-LM: the checkpoint's and the command line's schedule
   must agree unless ``--override-opt_param-scheduler`` (command line wins) or
   ``--use-checkpoint-opt_param-scheduler`` (checkpoint wins); the choice is reported.
@@ -136,19 +136,37 @@ def write_model_config(directory: str, config: Dict[str, object]) -> None:
 def check_model_config(load: str, iteration: int, current: Dict[str, object]) -> None:
     """Raise listing every field where the checkpoint's model differs from this run's."""
     path = os.path.join(_iteration_dir(load, iteration), MODEL_CONFIG)
-    if not os.path.exists(path):
-        raise StartupError(f"{path} is missing: cannot tell which model this checkpoint holds "
-                           f"(checkpoints written before it existed are not supported)")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise StartupError(f"{path} is unreadable: {e}") from None
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise StartupError(f"{path} is unreadable: {e}") from None
+    else:
+        saved = _config_from_rank_file(_iteration_dir(load, iteration))
     diffs = [f"{key} checkpoint {saved.get(key)!r} vs this run {value!r}"
              for key, value in current.items() if saved.get(key) != value]
     if diffs:
         raise StartupError(f"checkpoint {_iteration_dir(load, iteration)} holds another model: "
                            + "; ".join(diffs))
+
+
+def _config_from_rank_file(directory: str) -> Dict[str, object]:
+    # Checkpoints written before model_config.json existed carry the run's arguments in every
+    # rank file; reading one costs a full load of that file, once, at start.
+    import argparse
+    import glob
+
+    import torch
+
+    files = sorted(glob.glob(os.path.join(directory, "mp_rank_*.pt")))
+    if not files:
+        raise StartupError(f"{directory} holds neither {MODEL_CONFIG} nor rank files")
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    args = state.get("extra", {}).get("args")
+    if not args:
+        raise StartupError(f"{files[0]} records no arguments: cannot tell which model it holds")
+    return model_config(argparse.Namespace(**args))
 
 
 def load_scheduler(scheduler, state: dict, override: bool, use_checkpoint: bool) -> str:
