@@ -15,10 +15,10 @@ On one CPU host (gloo, chosen automatically without CUDA), --ranks-per-node simu
         --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
         --micro-batch-size 2 --lr 1e-3 --train-iters 50 --zeropp-qwz --zeropp-hpz --zeropp-qgz
 
-`python pretrain_gpt.py --help` lists every flag.
+Without torchrun, `python pretrain_gpt.py ...` runs as a one-rank job. `--help` lists every flag.
 """
 
-from megatron_zeropp.training.loop import pretrain
+from megatron_zeropp.training.launch import main
 
 if __name__ == "__main__":
-    pretrain()
+    main()

@@ -122,11 +122,18 @@ def _spec(a):
 
 
 # -- what bounds ZeRO++ on a CPU -------------------------------------------------------------
+def _quant_backend() -> str:
+    from megatron_zeropp import quant
+
+    return quant.backend_for("cpu")
+
+
 def quant_cpu_seconds(elements: int, nodes: int, ranks_per_node: int, repeats: int = 3) -> dict:
     """Single-thread CPU seconds of the quantization work ONE rank does per ZeRO++ iteration.
 
-    The same calls the protocols make (``megatron_zeropp.quant``, which runs its pure-torch
-    reference on CPU tensors), at this model's size as one bucket: qwZ quantizes its shard and
+    The same calls the protocols make (``megatron_zeropp.quant``, which runs its CPU backend on
+    CPU tensors; ``ZEROPP_QUANT_BACKEND=reference`` times the fp64-emulating reference instead),
+    at this model's size as one bucket: qwZ quantizes its shard and
     dequantizes all Z; qgZ quantizes its gradient in send order, dequantizes-sums-requantizes N
     pieces (hop 1) and dequantizes-sums K (hop 2). Median of ``repeats``, measured after the
     ranks exited so nothing else of this run competes for the core.
@@ -336,7 +343,7 @@ def main(argv=None) -> int:
     quant = quant_cpu_seconds(elements, 2, a.ranks_per_node)
     total = sum(quant.values())
     print(f"\nZeRO++ quantization work of one rank per iteration, CPU seconds of one thread, "
-          f"M = {elements} (megatron_zeropp.quant on CPU tensors): {total:.3f} s")
+          f"M = {elements} (megatron_zeropp.quant backend {_quant_backend()}): {total:.3f} s")
     for name, sec in quant.items():
         print(f"- {name}: {sec:.3f} s")
     print(f"{2 * a.ranks_per_node} ranks on {len(os.sched_getaffinity(0))} cores: at least "

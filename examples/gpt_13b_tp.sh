@@ -21,7 +21,7 @@ exec python pretrain_gpt.py \
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 \
     --data-path 1.0 "$DATA" --split 969,30,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
-    --save checkpoints/gpt13b --load checkpoints/gpt13b --save-interval 500 \
+    --save checkpoints/gpt13b --load checkpoints/gpt13b --load-optional --save-interval 500 \
     --log-interval 10 --eval-interval 1000 --eval-iters 20 \
     --overlap-grad-reduce \
     --zeropp-qwz --zeropp-hpz --zeropp-qgz "$@"

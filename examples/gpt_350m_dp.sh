@@ -20,7 +20,7 @@ exec python pretrain_gpt.py \
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 \
     --data-path 1.0 "$DATA" --split 969,30,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
-    --save checkpoints/gpt350m --load checkpoints/gpt350m --save-interval 1000 \
+    --save checkpoints/gpt350m --load checkpoints/gpt350m --load-optional --save-interval 1000 \
     --log-interval 10 --eval-interval 1000 --eval-iters 20 \
     --overlap-grad-reduce \
     --zeropp-qwz --zeropp-hpz --zeropp-qgz "$@"

@@ -24,7 +24,7 @@ exec python pretrain_gpt.py \
     --train-iters 250000 --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 \
     --data-path 1.0 "$DATA" --split 969,30,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
-    --save checkpoints/llama70b --load checkpoints/llama70b --save-interval 250 \
+    --save checkpoints/llama70b --load checkpoints/llama70b --load-optional --save-interval 250 \
     --log-interval 1 --eval-interval 1000 --eval-iters 10 \
     --overlap-grad-reduce \
     --zeropp-qwz --zeropp-qgz "$@"

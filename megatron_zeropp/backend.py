@@ -58,13 +58,26 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     return chosen
 
 
+def world_timeout() -> datetime.timedelta:
+    """The collective timeout the default process group was created with.
+
+    ``torch.distributed.new_group`` does not inherit it (a group made without ``timeout`` waits
+    30 minutes), so every group this project or megatron-core creates is given this value.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    group = c10d._get_default_group()
+    return group._get_backend(group._device_types[0]).options._timeout
+
+
 def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
                   context_parallel: int = 1, seed: int = 1234) -> None:
     """megatron-core's parallel state and RNG seeds, after ``init_process_group``.
 
     Applies the CPU patches when there is no CUDA. Seeds torch and megatron-core's model-parallel
     RNG tracker (mandatory before building megatron-core layers). Idempotent for the parallel
-    state: an already initialised one is kept.
+    state: an already initialised one is kept. megatron-core's groups get the default group's
+    timeout (see :func:`world_timeout`).
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mcore_tp
@@ -72,7 +85,8 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
     apply_cpu_patches()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel
+            tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel,
+            distributed_timeout_minutes=world_timeout().total_seconds() / 60,
         )
     torch.manual_seed(seed)
     mcore_tp.model_parallel_cuda_manual_seed(seed)

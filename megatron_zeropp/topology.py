@@ -262,7 +262,8 @@ def build_process_groups(
     ``torch.distributed.new_group`` is collective over the world, so all groups of every kind are
     created in the same order on every rank. Pass ``dp_group`` to reuse an existing DP group
     (e.g. Megatron's ``get_data_parallel_group(with_context_parallel=True)``) instead of creating
-    another with the same ranks.
+    another with the same ranks. ``timeout`` defaults to the default group's: torch would give a
+    new group 30 minutes, so a frozen rank would hang the job that long whatever the launch asked.
     """
     import torch.distributed as dist
 
@@ -273,7 +274,11 @@ def build_process_groups(
         raise ValueError(
             f"topology was built for world size {topology.world_size}, process group has {world}"
         )
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    if timeout is None:
+        from megatron_zeropp.backend import world_timeout
+
+        timeout = world_timeout()
+    kwargs = {"timeout": timeout}
 
     def make(groups: Sequence[RankGroup]):
         mine = None

@@ -17,7 +17,9 @@ SUPPORTED_FLAGS = sorted("""
 --overlap-param-gather --pipeline-model-parallel-size --position-embedding-type --profile
 --profile-dir --profile-ranks --profile-step-end --profile-step-start --ranks-per-node
 --recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
---save --save-interval --seed --seq-length --sequence-parallel --split --swiglu
+--save --save-interval --load-optional --overwrite-checkpoints
+--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler
+--no-check-for-nan-in-loss-and-grad --seed --seq-length --sequence-parallel --split --swiglu
 --tensor-model-parallel-size --tensorboard-dir --test-data-path --tokenizer-model
 --tokenizer-type --train-data-path --train-iters --transformer-impl
 --untie-embeddings-and-output-weights --use-pytorch-profiler --valid-data-path --vocab-size
@@ -58,8 +60,8 @@ def test_a_valid_command_line_fills_megatron_defaults():
         (["--data-parallel-impl", "megatron", "--zeropp-qgz"], 1, "conflicts with --zeropp-qgz"),
         (["--ranks-per-node", "3"], 4, "--ranks-per-node 3 does not divide world size 4"),
         (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible"),
-        (["--zeropp-qwz-block-size", "100"], 1, "qwz_block_size must be a power of two"),
-        (["--zeropp-qgz-fraction", "0"], 1, "qgz_fraction must be in"),
+        (["--zeropp-qwz-block-size", "100"], 1, "--zeropp-qwz-block-size must be a power of two"),
+        (["--zeropp-qgz-fraction", "0"], 1, "--zeropp-qgz-fraction must be in"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--data-path", "x"], 1, "exactly one data source"),
     ],

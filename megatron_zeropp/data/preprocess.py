@@ -58,6 +58,9 @@ class PreprocessConfig:
             )
         if not os.path.isfile(self.input):
             raise ValueError(f"input file {self.input!r} does not exist")
+        from .validate import check_preprocess_input
+
+        check_preprocess_input(self.input)
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
             raise ValueError(f"json_keys must be non-empty and distinct, got {self.json_keys}")
         if self.workers < 1 or self.log_interval < 1:

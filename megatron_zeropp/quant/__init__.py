@@ -1,10 +1,13 @@
 """Block quantization (INT8 / INT4) and qgZ's local steps, with a Triton and a reference backend.
 
-Backend choice, per call: the Triton kernels for CUDA tensors when ``triton`` imports, the pure
-torch reference otherwise. ``ZEROPP_QUANT_BACKEND`` forces one: ``reference``, ``triton`` (also on
-CPU tensors, which needs ``TRITON_INTERPRET=1`` set before triton is first imported) or ``auto``
-(the default). Both backends give bit-identical results for round-to-nearest; stochastic rounding
-always runs on the reference. Importing this package never imports megatron-core.
+Backend choice, per call: the Triton kernels for CUDA tensors when ``triton`` imports, the CPU
+backend (:mod:`.cpu_fast`) for CPU tensors, the pure torch reference otherwise.
+``ZEROPP_QUANT_BACKEND`` forces one: ``reference``, ``cpu``, ``triton`` (also on CPU tensors, which
+needs ``TRITON_INTERPRET=1`` set before triton is first imported) or ``auto`` (the default).
+Triton and the reference give bit-identical results for round-to-nearest; the CPU backend is
+bit-identical except :func:`dequantize_reduce`, which rounds each product in fp32 instead of
+emulating a fused multiply-add in fp64 (bound in :mod:`.cpu_fast`). Stochastic rounding always
+runs on the reference. Importing this package never imports megatron-core.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import cpu_fast as _cpu
 from . import qgz_reference as _qgz_ref
 from . import reference as _ref
 from .qgz_reference import qgz_chunk_order
@@ -27,7 +31,7 @@ except ImportError as exc:  # CPU-only installs without triton keep the referenc
     _TRITON_IMPORT_ERROR = exc
 
 BACKEND_ENV = "ZEROPP_QUANT_BACKEND"
-_BACKENDS = ("auto", "reference", "triton")
+_BACKENDS = ("auto", "reference", "cpu", "triton")
 
 __all__ = [
     "BACKEND_ENV",
@@ -51,23 +55,26 @@ def triton_available() -> bool:
 
 
 def backend_for(device: Union[torch.device, str]) -> str:
-    """``"triton"`` or ``"reference"``: what a call on tensors on ``device`` will use now."""
+    """``"triton"``, ``"cpu"`` or ``"reference"``: what a call on ``device`` tensors will use."""
     mode = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if mode not in _BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, got {mode!r}")
-    if mode == "reference":
-        return "reference"
+    if mode in ("reference", "cpu"):
+        return mode
     if mode == "triton":
         if _triton is None:
             raise RuntimeError(
                 f"{BACKEND_ENV}=triton but triton could not be imported: {_TRITON_IMPORT_ERROR}"
             )
         return "triton"
-    return "triton" if _triton is not None and torch.device(device).type == "cuda" else "reference"
+    kind = torch.device(device).type
+    if kind == "cuda" and _triton is not None:
+        return "triton"
+    return "cpu" if kind == "cpu" else "reference"
 
 
 def _impl(device):
-    return _triton if backend_for(device) == "triton" else None
+    return {"triton": _triton, "cpu": _cpu}.get(backend_for(device))
 
 
 def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor,
@@ -143,7 +150,8 @@ def dequantize_reduce(
     """Sum P pieces ``data (P, C, nbytes)`` / ``scales (P, C, nblocks)`` in fp32, per element.
 
     Piece order 0..P-1, each piece added with one rounding (``fl(acc + q * s)``, a fused
-    multiply-add on both backends).
+    multiply-add) on the Triton and reference backends; the CPU backend rounds the product too
+    (``fl(acc + fl(q * s))``, within ``(3P - 2) * 2**-24 * sum |q * s|`` of the reference).
 
     With ``out_bits`` the C row sums are requantized (``out_block_size`` defaults to
     ``block_size``) and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; without,

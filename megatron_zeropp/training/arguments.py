@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import List, Optional
 
 import torch
 
+from . import arg_checks
 from .profiling import add_profile_args, validate_profile_args
 
 
@@ -123,6 +125,22 @@ def _run_and_data_args(p: argparse.ArgumentParser) -> None:
                    help="load this iteration instead of the latest")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    _safety_args(g)
+
+
+def _safety_args(g) -> None:
+    # What the run does when input is wrong (docs: README "What happens when things go wrong").
+    g.add_argument("--load-optional", action="store_true",
+                   help="start from scratch when --load holds no checkpoint (else an error)")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let saves replace iterations in --save newer than this run's start")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, the LR schedule of the command line, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, the checkpoint's LR schedule, not the command line's")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="keep training when the loss or the gradients are NaN/Inf")
 
 
 def _zeropp_args(p: argparse.ArgumentParser) -> None:
@@ -154,7 +172,7 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by the test that fixes the set of flags)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining on megatron-core with the ZeRO++ data-parallel layer",
     )
@@ -176,6 +194,18 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     except ValueError as e:
         build_parser().error(str(e))
     return args
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports an error in one line, from rank 0 only, before any process group.
+
+    The stock parser prints the whole usage (70 lines) on every rank of the job.
+    """
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (--help lists the flags)\n")
+        sys.exit(2)
 
 
 def _ffn_default(args) -> int:
@@ -241,15 +271,24 @@ def validate(args, world_size: int) -> None:
                                             world_size % args.ranks_per_node):
         errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "
                       f"{world_size}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                      "are mutually exclusive")
+    if args.load_optional and args.load is None:
+        errors.append("--load-optional needs --load")
     if args.save_interval is not None and args.save is None:
         errors.append("--save-interval needs --save")
     for name in ("train_iters", "log_interval", "eval_interval", "micro_batch_size"):
         if getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    errors += arg_checks.layout_errors(args, world_size)
     if errors:
         raise ValueError("; ".join(errors))
     # Build the dataclasses now so their own validation also runs before any collective.
-    zeropp_config(args)
+    try:
+        zeropp_config(args)
+    except ValueError as e:
+        raise ValueError(arg_checks.zeropp_flag_names(str(e))) from None
 
 
 def zeropp_config(args):

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from megatron_zeropp.optimizer import distributed_optimizers
 
+from . import checkpoint_checks
+
 FORMAT_VERSION = 1
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -123,8 +125,14 @@ def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler,
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
-                    scheduler=None, extra: Optional[dict] = None) -> str:
-    """Write this iteration's checkpoint collectively (every rank calls); returns its directory."""
+                    scheduler=None, extra: Optional[dict] = None, overwrite: bool = False,
+                    model_config: Optional[dict] = None) -> str:
+    """Write this iteration's checkpoint collectively (every rank calls); returns its directory.
+
+    Refuses (on every rank, before any collective) to move ``latest`` back or to replace an
+    iteration unless ``overwrite``. ``model_config`` is stored for the check on load.
+    """
+    checkpoint_checks.check_save_iteration(root, iteration, overwrite)
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     rank = dist.get_rank()
@@ -132,6 +140,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(tmp)
+        if model_config is not None:
+            checkpoint_checks.write_model_config(tmp, model_config)
     dist.barrier()
     lay = _layout()
     state = _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra)
@@ -153,16 +163,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     return final
 
 
-def latest_iteration(root: str) -> Optional[int]:
-    """The iteration ``latest_checkpointed_iteration.txt`` names, or None if there is none."""
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{path} holds {text!r}, not an iteration number")
-    return int(text)
+latest_iteration = checkpoint_checks.latest_iteration
 
 
 def _read_states(directory: str, lay: dict) -> List[dict]:
@@ -209,8 +210,13 @@ def _assemble(states: List[dict], name: str, key: str, numel: int) -> torch.Tens
 
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                     iteration: Optional[int] = None, load_optim: bool = True,
-                    load_rng: bool = True) -> Tuple[int, int]:
-    """Load a checkpoint (every rank calls); returns ``(iteration, consumed_samples)``."""
+                    load_rng: bool = True, override_scheduler: bool = False,
+                    use_checkpoint_scheduler: bool = False) -> Tuple[int, int]:
+    """Load a checkpoint (every rank calls); returns ``(iteration, consumed_samples)``.
+
+    The LR schedule follows Megatron-LM's rules (see :func:`checkpoint_checks.load_scheduler`);
+    the line saying which schedule was used is logged by rank 0.
+    """
     it = latest_iteration(root) if iteration is None else iteration
     if it is None:
         raise ValueError(f"no {LATEST} in {root}: nothing to load")
@@ -247,7 +253,10 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     first = states[0]
     if load_optim:
         if scheduler is not None and first["scheduler"] is not None:
-            scheduler.load_state_dict(first["scheduler"])
+            used = checkpoint_checks.load_scheduler(scheduler, first["scheduler"],
+                                                    override_scheduler, use_checkpoint_scheduler)
+            if dist.get_rank() == 0:
+                print(f"> {used}", flush=True)
         for opt, scaler in zip(distributed_optimizers(optimizer), first["grad_scalers"]):
             if opt.grad_scaler is not None and scaler is not None:
                 opt.grad_scaler.load_state_dict(scaler)

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from megatron_zeropp.backend import default_device, init_distributed, init_megatron
 from megatron_zeropp.topology import build_topology
 
+from . import checkpoint_checks
 from .arguments import parse_args, print_args
-from .checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
+from .fallbacks import fallback_summary, silence_fallback_warnings
 from .gpt_step import eval_step, train_step
 from .logging_utils import (
     IntervalStats,
@@ -30,6 +32,7 @@ from .model import (
     transformer_config,
     wrap_data_parallel,
 )
+from .nan_check import check_finite
 from .profiling import IterationProfiler
 
 
@@ -44,6 +47,7 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    silence_fallback_warnings()
 
 
 def _to_device(it: Iterator[dict], device) -> Iterator[dict]:
@@ -92,6 +96,16 @@ def _tokenizer_args(args) -> dict:
     return kwargs
 
 
+def _check_data_files(args, tokenizer_args) -> None:
+    from megatron_zeropp.data.tokenizers import build_tokenizer
+    from megatron_zeropp.data.validate import check_data_files, data_prefixes
+
+    prefixes = data_prefixes(args.data_path, args.train_data_path, args.valid_data_path,
+                             args.test_data_path)
+    if prefixes:
+        check_data_files(prefixes, build_tokenizer(**tokenizer_args).vocab_size)
+
+
 def _batches(dataset, args, dp_rank, dp_size, consumed, device):
     from megatron_zeropp.data.batches import make_batch_iterator
 
@@ -128,6 +142,11 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     _quiet_known_warnings()
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
+    load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional)
+    checkpoint_checks.check_save_target(args.save, load_iteration or 0,
+                                        args.overwrite_checkpoints)
+    tokenizer_args = _tokenizer_args(args)
+    _check_data_files(args, tokenizer_args)
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -135,10 +154,15 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
-    tokenizer, (train_ds, valid_ds, _) = _setup_data(args, _tokenizer_args(args))
+    tokenizer, (train_ds, valid_ds, _) = _setup_data(args, tokenizer_args)
+    if load_iteration is not None:
+        checkpoint_checks.check_model_config(args.load, load_iteration,
+                                             checkpoint_checks.model_config(args))
     if rank == 0:
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
+        if fallback_summary():
+            print(fallback_summary(), flush=True)
     config = transformer_config(args)
     model = wrap_data_parallel(args, config, build_gpt(args, config, args.padded_vocab_size),
                                topology)
@@ -148,10 +172,12 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         print(f"> data-parallel layer: {model.zeropp.describe()}, {len(model.units)} units",
               flush=True)
     iteration, consumed = 0, 0
-    if args.load and latest_iteration(args.load) is not None:
+    if load_iteration is not None:
         iteration, consumed = load_checkpoint(
-            args.load, chunks, optimizer, scheduler, args.ckpt_step,
-            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+            args.load, chunks, optimizer, scheduler, load_iteration,
+            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+            override_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler)
         _log(f"> loaded checkpoint of iteration {iteration} from {args.load}")
         if on_iteration is not None:
             on_iteration(iteration, chunks, optimizer)
@@ -183,6 +209,9 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
             scheduler.step(increment=args.global_batch_size)
         iteration += 1
         profiler.after_iteration(iteration)
+        if args.check_for_nan_in_loss_and_grad:
+            check_finite(iteration, result.loss, result.grad_norm, result.skipped,
+                         dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += args.global_batch_size
         stats.iterations += 1
         stats.skipped += int(result.skipped)
@@ -223,7 +252,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                           or last or exiting):
             save_checkpoint(args.save, iteration, consumed, chunks, optimizer, scheduler,
-                            extra={"args": vars(args)})
+                            extra={"args": vars(args)}, overwrite=args.overwrite_checkpoints,
+                            model_config=checkpoint_checks.model_config(args))
             _log(f"> saved checkpoint of iteration {iteration} to {args.save}")
         if exiting:
             break

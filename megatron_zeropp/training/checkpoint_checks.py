@@ -1,0 +1,190 @@
+"""What makes a resume safe: the checkpoint exists, fits the model, and no save goes backwards.
+
+* ``--load`` that names no checkpoint is an error; ``--load-optional`` lets an empty directory
+  mean "start from scratch" (the usual job-script pattern ``--load $DIR --save $DIR``).
+* A save never moves ``latest_checkpointed_iteration.txt`` backwards nor replaces an existing
+  iteration unless ``--overwrite-checkpoints`` says so; the run refuses at start when it would.
+* Each checkpoint carries ``model_config.json`` (older ones: the arguments in their rank files);
+  loading compares it with this run's model and reports every difference with both values (a
+  checkpoint of another model used to load silently, dropping layers).
+* The LR schedule on resume follows Megatron-LM: the checkpoint's and the command line's schedule
+  must agree unless ``--override-opt_param-scheduler`` (command line wins) or
+  ``--use-checkpoint-opt_param-scheduler`` (checkpoint wins); the choice is reported.
+
+Every check reads only the command line and shared files, so all ranks reach the same verdict
+and raise the same :class:`~megatron_zeropp.errors.StartupError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Dict, List, Optional
+
+from megatron_zeropp.errors import StartupError
+
+MODEL_CONFIG = "model_config.json"
+_LATEST = "latest_checkpointed_iteration.txt"
+
+
+def _iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def saved_iterations(root: str) -> List[int]:
+    """Iterations with a complete directory under ``root`` (``iter_XXXXXXX``, no ``.tmp``)."""
+    if not os.path.isdir(root):
+        return []
+    found = (re.fullmatch(r"iter_(\d{7})", name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration ``latest_checkpointed_iteration.txt`` names; None without the file."""
+    path = os.path.join(root, _LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise StartupError(f"{path} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool) -> Optional[int]:
+    """The iteration to load, or None to start from scratch; raises when ``load`` names nothing."""
+    if load is None:
+        if ckpt_step is not None:
+            raise StartupError(f"--ckpt-step {ckpt_step} needs --load")
+        return None
+    available = saved_iterations(load)
+    if ckpt_step is not None:
+        if ckpt_step not in available:
+            raise StartupError(f"--ckpt-step {ckpt_step}: no {_iteration_dir(load, ckpt_step)} "
+                               f"(iterations saved in --load {load}: {available or 'none'})")
+        return ckpt_step
+    latest = latest_iteration(load)
+    if latest is None:
+        if optional:
+            return None
+        what = "does not exist" if not os.path.exists(load) else f"has no {_LATEST}"
+        raise StartupError(f"--load {load} {what}: no checkpoint to resume from (pass "
+                           f"--load-optional to start from scratch when it is empty)")
+    if latest not in available:
+        raise StartupError(f"--load {load}: {_LATEST} names iteration {latest}, but "
+                           f"{_iteration_dir(load, latest)} is missing")
+    return latest
+
+
+def check_save_target(save: Optional[str], start_iteration: int, overwrite: bool) -> None:
+    """Refuse a run whose saves would move ``save``'s latest iteration back or replace one."""
+    if save is None or overwrite:
+        return
+    latest = latest_iteration(save)
+    newer = [i for i in saved_iterations(save) if i > start_iteration]
+    if (latest is not None and latest > start_iteration) or newer:
+        raise StartupError(
+            f"--save {save} already holds iteration(s) {newer or [latest]} after this run's start "
+            f"(iteration {start_iteration}): saving would replace them and move {_LATEST} back "
+            f"(from {latest}). Resume from the latest with --load {save}, save elsewhere, or "
+            f"pass --overwrite-checkpoints")
+
+
+def check_save_iteration(root: str, iteration: int, overwrite: bool) -> None:
+    """At save time: the same rule for one iteration (another job may have saved meanwhile)."""
+    if overwrite:
+        return
+    latest = latest_iteration(root)
+    if latest is not None and latest > iteration:
+        raise RuntimeError(f"refusing to save iteration {iteration} into {root}: {_LATEST} is "
+                           f"already {latest} (--overwrite-checkpoints allows it)")
+    if os.path.exists(_iteration_dir(root, iteration)):
+        raise RuntimeError(f"refusing to replace {_iteration_dir(root, iteration)} "
+                           f"(--overwrite-checkpoints allows it)")
+
+
+def model_config(args) -> Dict[str, object]:
+    """What must match between a checkpoint and the model it is loaded into, by flag name."""
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return {
+        "--num-layers": args.num_layers,
+        "--hidden-size": args.hidden_size,
+        "--ffn-hidden-size": args.ffn_hidden_size,
+        "--num-attention-heads": args.num_attention_heads,
+        "--num-query-groups": groups,
+        "padded vocabulary size": getattr(args, "padded_vocab_size", None),
+        "--max-position-embeddings": args.max_position_embeddings,
+        "--position-embedding-type": args.position_embedding_type,
+        "--normalization": args.normalization,
+        "--swiglu": args.swiglu,
+        "--untie-embeddings-and-output-weights": args.untie_embeddings_and_output_weights,
+        "--disable-bias-linear": args.disable_bias_linear,
+        "--tensor-model-parallel-size": args.tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+        "dtype": dtype,
+    }
+
+
+def write_model_config(directory: str, config: Dict[str, object]) -> None:
+    """Store ``config`` beside a checkpoint's rank files (called by rank 0 before the rename)."""
+    with open(os.path.join(directory, MODEL_CONFIG), "w") as f:
+        json.dump(config, f, indent=1, sort_keys=True)
+
+
+def check_model_config(load: str, iteration: int, current: Dict[str, object]) -> None:
+    """Raise listing every field where the checkpoint's model differs from this run's."""
+    path = os.path.join(_iteration_dir(load, iteration), MODEL_CONFIG)
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise StartupError(f"{path} is unreadable: {e}") from None
+    else:
+        saved = _config_from_rank_file(_iteration_dir(load, iteration))
+    diffs = [f"{key} checkpoint {saved.get(key)!r} vs this run {value!r}"
+             for key, value in current.items() if saved.get(key) != value]
+    if diffs:
+        raise StartupError(f"checkpoint {_iteration_dir(load, iteration)} holds another model: "
+                           + "; ".join(diffs))
+
+
+def _config_from_rank_file(directory: str) -> Dict[str, object]:
+    # Checkpoints written before model_config.json existed carry the run's arguments in every
+    # rank file; reading one costs a full load of that file, once, at start.
+    import argparse
+    import glob
+
+    import torch
+
+    files = sorted(glob.glob(os.path.join(directory, "mp_rank_*.pt")))
+    if not files:
+        raise StartupError(f"{directory} holds neither {MODEL_CONFIG} nor rank files")
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    args = state.get("extra", {}).get("args")
+    if not args:
+        raise StartupError(f"{files[0]} records no arguments: cannot tell which model it holds")
+    return model_config(argparse.Namespace(**args))
+
+
+def load_scheduler(scheduler, state: dict, override: bool, use_checkpoint: bool) -> str:
+    """Load the LR schedule under Megatron-LM's rules; returns a line saying which was used."""
+    if override:
+        scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = \
+            True, False
+        scheduler.load_state_dict(state)
+        return "LR schedule: the command line's (--override-opt_param-scheduler)"
+    scheduler.override_opt_param_scheduler = False
+    scheduler.use_checkpoint_opt_param_scheduler = use_checkpoint
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as e:
+        raise StartupError(
+            f"the checkpoint's LR schedule differs from the command line's ({e}; steps count "
+            f"samples). Pass --use-checkpoint-opt_param-scheduler to keep the checkpoint's or "
+            f"--override-opt_param-scheduler to use the command line's") from None
+    if use_checkpoint:
+        return "LR schedule: the checkpoint's (--use-checkpoint-opt_param-scheduler)"
+    return "LR schedule: the checkpoint's, which equals the command line's"

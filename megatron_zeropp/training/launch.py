@@ -1,0 +1,133 @@
+"""pretrain_gpt.py's entry: launch environment, and what a failing rank prints before it exits.
+
+A rank that raises prints its traceback and then one line naming the rank and the collective (or
+the line of ours) where it failed, and leaves with exit code 1 at once: ``os._exit``, because a
+normal interpreter exit joins the communication thread, which may itself be blocked in a
+collective that a dead or frozen peer will never join. torchrun then stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Callable, List, Optional
+
+from megatron_zeropp.errors import NonFiniteError, StartupError
+
+RANK0_GRACE_S = 30.0
+"""How long other ranks wait for rank 0 to report an error all ranks found."""
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_defaults(environ=os.environ) -> bool:
+    """Make a plain ``python pretrain_gpt.py`` a one-rank job; returns True when it did.
+
+    With none of torchrun's variables set, sets them for rank 0 of 1 on a free local port. With
+    some set and others missing, raises ``ValueError`` naming them (a half-configured launch is
+    more likely a broken launcher than a one-rank job).
+    """
+    present = [v for v in _TORCHRUN_VARS if v in environ]
+    if not present:
+        environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        return True
+    missing = [v for v in _TORCHRUN_VARS if v not in environ]
+    if missing:
+        raise ValueError(f"launch environment has {', '.join(present)} but not "
+                         f"{', '.join(missing)}: launch with torchrun (or set none of them for "
+                         f"a one-rank job)")
+    return False
+
+
+def failure_site(tb) -> str:
+    """Where an exception came from: the torch.distributed call, else our innermost line."""
+    frames = traceback.extract_tb(tb)
+    raw = [f for f, _ in traceback.walk_tb(tb)]
+    for i, frame in enumerate(frames):
+        if frame.filename.endswith(_C10D_FILE):
+            caller = next((f for f in reversed(frames[:i]) if f.filename.startswith(_PROJECT)),
+                          None)
+            where = "" if caller is None else f" called from {_short(caller)}"
+            return f"torch.distributed.{frame.name}{_group_ranks(raw[i])}{where}"
+    ours = [f for f in frames if f.filename.startswith(_PROJECT)]
+    return _short(ours[-1] if ours else frames[-1]) if frames else "unknown"
+
+
+def _group_ranks(frame) -> str:
+    group = frame.f_locals.get("group")
+    try:
+        import torch.distributed as dist
+
+        return f" on ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}"
+    except Exception:  # noqa: BLE001 -- a best-effort detail of an error report
+        return ""
+
+
+def _short(frame) -> str:
+    path = os.path.relpath(frame.filename, os.path.dirname(_PROJECT))
+    return f"{path}:{frame.lineno} ({frame.name}: {frame.line})"
+
+
+def failure_line(rank: str, exc: BaseException) -> str:
+    """The one line a failing rank prints last."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    line = f"[rank {rank}] FAILED in {failure_site(exc.__traceback__)}: " \
+           f"{type(exc).__name__}: {text}"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        line += (" -- a collective timed out: a peer rank is frozen, dead or far behind "
+                 "(limit: --distributed-timeout-minutes)")
+    return line
+
+
+def run_guarded(fn: Callable[[], object]) -> None:
+    """Run ``fn``; on an exception print it with :func:`failure_line` and exit 1 immediately.
+
+    A :class:`StartupError` is bad input, not a crash: one line from rank 0, exit code 2; a
+    :class:`NonFiniteError` (same on every rank) is one line from rank 0 too, exit code 1.
+    """
+    try:
+        fn()
+    except SystemExit:
+        raise
+    except (StartupError, NonFiniteError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            # The launcher stops every rank when the first one exits; let rank 0, which reached
+            # the same error, print it first (the launcher ends this wait).
+            time.sleep(RANK0_GRACE_S)
+        sys.stdout.flush()
+        os._exit(2 if isinstance(exc, StartupError) else 1)
+    except BaseException as exc:  # noqa: BLE001 -- every failure must end the process
+        rank = os.environ.get("RANK", "0")
+        traceback.print_exc()
+        print(failure_line(rank, exc), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """pretrain_gpt.py's ``__main__``: one-rank defaults, pretraining, a clean failure."""
+    from .fallbacks import silence_fallback_warnings
+
+    silence_fallback_warnings()
+    try:
+        single_process_defaults()
+    except ValueError as exc:
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    from .loop import pretrain
+
+    run_guarded(lambda: pretrain(argv))
+    sys.stdout.flush()

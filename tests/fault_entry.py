@@ -1,0 +1,53 @@
+"""pretrain_gpt.py with one injected fault, for tests/test_faults.py (run under torchrun).
+
+``ZEROPP_TEST_FAULT`` picks it: ``freeze:RANK:ITER`` (RANK stops responding after iteration
+ITER, as a hung kernel or a stopped process would), ``kill:RANK:ITER`` (RANK dies),
+``kill_save:RANK:ITER`` (RANK dies while writing ITER's checkpoint), ``nan:ITER`` (the
+loss of iteration ITER+1 becomes NaN on every rank). Without it this is pretrain_gpt.py.
+"""
+
+import os
+import sys
+import time
+
+
+def _hook():
+    spec = os.environ.get("ZEROPP_TEST_FAULT")
+    if not spec:
+        return None
+    kind, *nums = spec.split(":")
+    nums = [int(n) for n in nums]
+    rank = int(os.environ["RANK"])
+
+    def on_iteration(iteration, chunks, optimizer):
+        if kind == "freeze" and (rank, iteration) == tuple(nums):
+            time.sleep(3600)
+        if kind == "kill" and (rank, iteration) == tuple(nums):
+            os._exit(9)
+        if kind == "kill_save" and (rank, iteration) == tuple(nums):
+            from megatron_zeropp.training import checkpoint
+
+            def die(*args, **kwargs):
+                os._exit(9)
+            checkpoint.torch.save = die
+        if kind == "nan" and iteration == nums[0]:
+            from megatron_zeropp.training import gpt_step
+
+            clean = gpt_step.loss_func
+
+            def nan_loss(loss_mask, output_tensor):
+                loss, report = clean(loss_mask, output_tensor)
+                return loss * float("nan"), {"lm loss": report["lm loss"] * float("nan")}
+            gpt_step.loss_func = nan_loss
+    return on_iteration
+
+
+if __name__ == "__main__":
+    from megatron_zeropp.training.fallbacks import silence_fallback_warnings
+
+    silence_fallback_warnings()  # as pretrain_gpt.py does, before megatron-core is imported
+    from megatron_zeropp.training.launch import run_guarded, single_process_defaults
+    from megatron_zeropp.training.loop import pretrain
+
+    single_process_defaults()
+    run_guarded(lambda: pretrain(sys.argv[1:], on_iteration=_hook()))

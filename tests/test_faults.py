@@ -1,0 +1,226 @@
+"""Fault injection through the real launcher (torchrun, gloo on CPU): each fault ends the job with
+the right exit code and message, and no file of a previous run changes.
+
+A "previous run" (2 ranks, real .bin/.idx data, checkpoints at iterations 2 and 4) is made once;
+each test copies it, fingerprints the copy, injects its fault (tests/fault_entry.py) and compares
+fingerprints afterwards. Liveness is bounded by generous subprocess timeouts, never timed asserts.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = os.path.join(ROOT, "tests", "fault_entry.py")
+VOCAB = 64  # NullTokenizer: ids 0..63, EOD 64, so .vocab_size == 65
+LIMIT_S = 300  # far above any expected run; only there so CI can never hang
+
+
+def _model(layers=2):
+    return (f"--num-layers {layers} --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+            f"--micro-batch-size 1 --lr 1e-3 --log-interval 1 --eval-iters 0 "
+            f"--tokenizer-type NullTokenizer --vocab-size {VOCAB}").split()
+
+
+def _launch(nproc, argv, fault=None, cwd=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.pop("ZEROPP_TEST_FAULT", None)
+    if fault:
+        env["ZEROPP_TEST_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_free_port()), ENTRY, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIMIT_S,
+                          cwd=cwd or ROOT)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fingerprint(*dirs):
+    out = {}
+    for d in dirs:
+        for base, _, files in os.walk(d):
+            for name in files:
+                path = os.path.join(base, name)
+                with open(path, "rb") as f:
+                    out[path] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _write_data(prefix, top_id):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    rng = numpy.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(10, 40))
+        doc = rng.integers(0, VOCAB, n)
+        builder.add_document(doc, [n])
+    builder.add_document(numpy.array([top_id] * 5), [5])
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory):
+    """A finished 2-rank run: data, and checkpoints of iterations 2 and 4."""
+    base = tmp_path_factory.mktemp("previous")
+    data = str(base / "data" / "corpus_text_document")
+    os.makedirs(os.path.dirname(data))
+    _write_data(data, VOCAB - 1)
+    ckpt = str(base / "ckpt")
+    run = _launch(2, _model() + ["--train-iters", "4", "--train-data-path", data,
+                                 "--save", ckpt, "--save-interval", "2"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "iteration        4/       4" in run.stdout
+    return base
+
+
+@pytest.fixture
+def prev(previous, tmp_path):
+    """A private copy of the previous run, and its fingerprint."""
+    copy = tmp_path / "previous"
+    shutil.copytree(previous, copy)
+    dirs = (str(copy / "data"), str(copy / "ckpt"))
+    return copy, _fingerprint(*dirs), dirs
+
+
+def _resume(copy, iters, extra=()):
+    data = str(copy / "data" / "corpus_text_document")
+    ckpt = str(copy / "ckpt")
+    return _model() + ["--train-iters", str(iters), "--train-data-path", data,
+                       "--data-cache-path", str(copy.parent / "index_cache"),
+                       "--load", ckpt, "--save", ckpt, "--save-interval", "2", *extra]
+
+
+def _one_line_from_rank_0(stderr, message):
+    lines = [line for line in stderr.splitlines() if message in line]
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("pretrain_gpt.py: error: ")
+    # no rank printed a traceback (torchrun prints its own ChildFailedError one)
+    assert f'File "{ROOT}/megatron_zeropp' not in stderr
+
+
+def test_a_frozen_rank_ends_the_job_naming_rank_and_collective(prev, tmp_path):
+    copy, before, dirs = prev
+    # 4 ranks as 2 nodes x 2, all of ZeRO++: rank 3 stops responding after iteration 5 (before
+    # that iteration's save); the others must give up after the 6 s timeout, not 30 minutes.
+    argv = _resume(copy, 8, ["--ranks-per-node", "2", "--zeropp-qwz", "--zeropp-hpz",
+                             "--zeropp-qgz", "--distributed-timeout-minutes", "0.1",
+                             "--use-checkpoint-opt_param-scheduler", "--global-batch-size", "4"])
+    run = _launch(4, argv, fault="freeze:3:5")
+    assert run.returncode != 0
+    failed = [line for line in run.stderr.splitlines() if "] FAILED in torch.distributed." in line]
+    assert failed, run.stderr[-3000:]
+    assert all("timed out" in line for line in failed)
+    assert {line.split("]")[0] for line in failed} <= {"[rank 0", "[rank 1", "[rank 2"}
+    # iteration 6 was never saved; everything of the previous run is as it was
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_killed_rank_ends_the_job(prev):
+    copy, before, dirs = prev
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]),
+                  fault="kill:1:5")
+    assert run.returncode != 0
+    assert "exitcode  : 9" in run.stderr and "rank      : 1" in run.stderr, run.stderr[-3000:]
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoints(prev):
+    copy, before, dirs = prev
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]),
+                  fault="kill_save:1:6")
+    assert run.returncode != 0
+    after = _fingerprint(*dirs)
+    # iteration 6's directory may exist only as the unfinished .tmp; nothing else changed
+    assert {k: v for k, v in after.items() if "iter_0000006.tmp" not in k} == before
+    assert open(os.path.join(dirs[1], "latest_checkpointed_iteration.txt")).read() == "4"
+
+
+def test_a_typo_in_load_is_an_error_not_a_fresh_start(prev):
+    copy, before, dirs = prev
+    argv = _resume(copy, 8)
+    argv[argv.index("--load") + 1] += "_typo"
+    run = _launch(2, argv)
+    assert run.returncode != 0  # torchrun reports the ranks' code 2 as its own failure
+    _one_line_from_rank_0(run.stderr, "_typo does not exist: no checkpoint to resume from")
+    assert "iteration " not in run.stdout
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_fresh_run_into_a_directory_with_newer_checkpoints_is_refused(prev):
+    copy, before, dirs = prev
+    run = _launch(2, _resume(copy, 8, ["--ckpt-step", "2"]))  # saves 4 again, then 6...
+    _one_line_from_rank_0(run.stderr, "already holds iteration(s) [4] after this run's start")
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_checkpoint_of_another_model_is_refused(prev):
+    copy, before, dirs = prev
+    argv = _resume(copy, 8)
+    argv[argv.index("--num-layers") + 1] = "1"
+    run = _launch(2, argv)
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, "--num-layers checkpoint 2 vs this run 1")
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_longer_schedule_on_resume_needs_a_choice(prev):
+    copy, before, dirs = prev
+    run = _launch(2, _resume(copy, 8))  # --train-iters 4 -> 8 changes the LR decay
+    _one_line_from_rank_0(run.stderr, "the checkpoint's LR schedule differs")
+    assert _fingerprint(*dirs) == before
+
+
+def test_truncated_data_is_found_before_training(prev):
+    copy, before, dirs = prev
+    broken = str(copy / "broken_text_document")
+    for ext in (".bin", ".idx"):
+        shutil.copy(str(copy / "data" / "corpus_text_document") + ext, broken + ext)
+    size = os.path.getsize(broken + ".bin")
+    os.truncate(broken + ".bin", size - size // 25)  # the last 4 %
+    argv = _resume(copy, 8)
+    argv[argv.index("--train-data-path") + 1] = broken
+    run = _launch(2, argv)
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, f"data file {broken}.bin: has {size - size // 25} bytes")
+    assert _fingerprint(*dirs) == before
+
+
+def test_data_of_a_larger_vocabulary_is_found_before_training(prev):
+    copy, before, dirs = prev
+    bigger = str(copy / "bigger_text_document")
+    _write_data(bigger, 300)
+    argv = _resume(copy, 8)
+    argv[argv.index("--train-data-path") + 1] = bigger
+    run = _launch(2, argv)
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, f"{bigger}.bin: holds token id 300, but the tokenizer "
+                                      f"has {VOCAB + 1} tokens")
+    assert _fingerprint(*dirs) == before
+
+
+def test_nan_stops_the_run_before_it_saves(prev):
+    copy, before, dirs = prev
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]), fault="nan:5")
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, "iteration 6: the loss is not finite")
+    assert "iteration        5/" in run.stdout and "iteration        6/" not in run.stdout
+    assert _fingerprint(*dirs) == before
+    # and with the check off the same fault trains to the end (the counter reports it)
+    off = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler",
+                                       "--no-check-for-nan-in-loss-and-grad",
+                                       "--save", str(copy / "other")]),
+                  fault="nan:5")
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "number of nan iterations:   1" in off.stdout
