@@ -8,6 +8,7 @@ import torch
 
 from .arguments import params_dtype, zeropp_config
 from .builders import adam_config, gpt_model, gpt_transformer_config, wire_schedule_hooks
+from .megatron_lm_flags import lr_schedule_steps
 
 
 def use_transformer_engine(args) -> bool:
@@ -22,6 +23,8 @@ def use_transformer_engine(args) -> bool:
 
 def transformer_config(args):
     """megatron-core TransformerConfig from the model/parallel/precision flags."""
+    from megatron.core.transformer.enums import AttnBackend
+
     return gpt_transformer_config(
         args.num_layers,
         args.hidden_size,
@@ -43,6 +46,14 @@ def transformer_config(args):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        kv_channels=args.kv_channels,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        # Megatron-LM copies its flag (default off) over TransformerConfig's default (on).
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=AttnBackend[args.attention_backend],
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
 
 
@@ -57,6 +68,7 @@ def build_gpt(args, config, vocab_size: int):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
     )
 
 
@@ -68,6 +80,8 @@ def ddp_config(args):
         use_distributed_optimizer=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        # The ZeRO++ layer prefetches instead (and rejects this megatron-core switch).
+        overlap_param_gather=args.overlap_param_gather and args.data_parallel_impl == "megatron",
     )
 
 
@@ -100,6 +114,12 @@ def optimizer_config(args):
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
         initial_loss_scale=args.initial_loss_scale,
+        hysteresis=args.hysteresis,
+        loss_scale_window=args.loss_scale_window,
+        min_loss_scale=args.min_loss_scale,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 
@@ -119,37 +139,34 @@ def build_optimizer(args, model_chunks):
 
     # After the optimizer exists, as Megatron-LM's train() does: fp16 needs the loss scaled.
     wire_schedule_hooks(get_model_config(model_chunks[0]), model_chunks[0], optimizer)
-    gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
+        **lr_schedule_steps(args),
     )
     return optimizer, scheduler
 
 
 def num_floating_point_operations(args, tokens: int) -> float:
-    """Model FLOPs of one training iteration over ``tokens`` tokens (forward + backward = 3x).
+    """Model FLOPs of one training iteration over ``tokens`` tokens, by Megatron-LM's formula.
 
-    Matrix products: 2 FLOPs per multiply-add per token over every weight matrix (QKV, projection,
-    MLP, logits); attention scores and values: 2 x 2 x seq x hidden per layer and token (causal
-    masking not discounted, like Megatron-LM's report).
+    3 GEMMs per weight (forward, weight grad, data grad) x 2 FLOPs per multiply-add, per token:
+    QKV (query and key/value projections of ``kv_channels`` per head, GQA-aware), attention
+    scores and values (seq x query size each, halved for the causal mask, as Megatron-LM does),
+    output projection, MLP (2 or, with SwiGLU, 3 GEMMs of hidden x ffn) and the logits.
     """
     h, L, s = args.hidden_size, args.num_layers, args.seq_length
     heads = args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
-    kv = h * groups // heads
-    ffn = args.ffn_hidden_size
-    per_layer = h * (h + 2 * kv) + h * h + h * ffn * (2 if args.swiglu else 1) + ffn * h
+    kv_channels = getattr(args, "kv_channels", None) or h // heads
+    q, kv = kv_channels * heads, kv_channels * groups
+    ffn = args.ffn_hidden_size * (3 if args.swiglu else 2)
+    attention = h * (q + 2 * kv) + q * s / 2 * 2 + q * h
     vocab = getattr(args, "padded_vocab_size", 0) or 0
-    matmul = 2 * tokens * (L * per_layer + h * vocab)
-    attention = 2 * 2 * tokens * s * h * L
-    return 3.0 * (matmul + attention)
+    return 3 * 2 * tokens * (L * (h * ffn + attention) + h * vocab)
