@@ -26,7 +26,7 @@ from .model import (
     transformer_config,
     wrap_data_parallel,
 )
-from .run_control import BatchRamp, ExitClock, ManualGC, params_norm
+from .run_control import BatchRamp, ExitClock, ManualGC, NsysRange, params_norm
 
 
 def _log(*parts) -> None:
@@ -206,6 +206,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
                "test_loss": []}
     stats = IntervalStats()
     collector = ManualGC(args)
+    profiler = NsysRange(args)
     clock = ExitClock(args.exit_duration_in_mins, start_time)
     evals_done = iteration // args.eval_interval
     if hasattr(model, "comm_counts"):
@@ -214,6 +215,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         if hasattr(model, "set_training_progress"):
             model.set_training_progress(iteration, args.train_iters)
         batch = ramp.global_batch(consumed)
+        profiler.before_step(iteration)
         start = time.perf_counter()
         result = train_step(chunks, optimizer, train_it, batch // ramp.per_step, args.seq_length,
                             args.micro_batch_size, dp_group, pp_group)

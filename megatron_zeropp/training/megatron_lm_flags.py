@@ -107,6 +107,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-end", type=int, default=12)
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _fp8_reason() -> str:
     if not importlib.util.find_spec("transformer_engine"):
         return "fp8 needs Transformer Engine, which is not importable here"
@@ -163,6 +169,11 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
     if args.overlap_param_gather and args.data_parallel_impl == "zeropp":
         warnings.append("--overlap-param-gather: the ZeRO++ layer always prefetches the next "
                         "unit's weights (--zeropp-prefetch-depth)")
+    if args.profile and args.profile_step_end <= args.profile_step_start:
+        errors.append(f"--profile-step-end {args.profile_step_end} must be after "
+                      f"--profile-step-start {args.profile_step_start}")
+    if args.profile and not torch_cuda_available():
+        warnings.append("--profile: no CUDA, so nothing for nsys to capture")
     if args.tensorboard_dir and not importlib.util.find_spec("tensorboard"):
         errors.append(f"--tensorboard-dir {args.tensorboard_dir}: the tensorboard package is not "
                       "importable (pip install tensorboard)")
