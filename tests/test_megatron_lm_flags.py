@@ -150,3 +150,21 @@ def test_per_token_loss_equals_mean_loss_with_full_masks():
     for (l1, g1, _), (l2, g2, _) in zip(mean, per_token):
         assert l1 == pytest.approx(l2, rel=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
     assert mean[-1][0] < mean[0][0]
+
+
+def test_missing_te_and_apex_are_reported_once_per_job(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("transformer_engine") and importlib.util.find_spec("apex"):
+        pytest.skip("both installed: nothing to report")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           os.path.join(root, "pretrain_gpt.py"), *BASE, "--train-iters", "1",
+           "--eval-iters", "0", "--data-cache-path", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = run.stdout + run.stderr
+    lines = [ln for ln in text.splitlines() if "not installed" in ln]
+    assert len(lines) == 1 and lines[0].startswith("> note:"), lines

@@ -39,7 +39,7 @@ def _quiet_known_warnings() -> None:
     # megatron-core reads .grad of its shard views every step; harmless, and it buries the log.
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
     # One per module and rank otherwise; reported once per job instead (_report_fallbacks).
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -159,10 +159,10 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     ``on_iteration(iteration, model_chunks, optimizer)``, if given, is called after a checkpoint
     load and after every iteration (before that iteration's checkpoint is saved).
     """
+    start_time = time.time()
+    _quiet_known_warnings()  # before megatron-core's first import, which warns per module
     from megatron.core import parallel_state as ps
 
-    start_time = time.time()
-    _quiet_known_warnings()
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
     if args.use_checkpoint_args:
