@@ -15,12 +15,13 @@ from megatron_zeropp.training.arguments import parse_args
 ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 
 
-def gpt3_175b(ckpt, tensorboard, vocab_file, merge_file, train_iters_as_given=False):
+def gpt3_175b(ckpt, tensorboard, vocab_file, merge_file, data_path="unused",
+              train_iters_as_given=False):
     """The 175B script's flags. Scaled: layers 96 -> 2, hidden 12288 -> 64, heads 96 -> 4,
     sequence 2048 -> 64, global batch 1536 -> 16 (ramp-up 16 16 5859375 -> 4 4 32), 608 samples
     (41 iterations: fp16 skips the first ~20 while its 2^32 loss scale backs off), TP 8 x PP 16
     -> PP 2 on 4 ranks, lr 6e-5 -> 6e-3 (so 2 layers learn in a few steps), intervals shortened,
-    --mock-data for --data-path. The script gives --train-iters with --rampup-batch-size, which
+    the data a small corpus preprocessed with the same vocabulary. The script gives --train-iters with --rampup-batch-size, which
     Megatron-LM itself rejects ("expected no batch-size rampup for iteration-based training"),
     and no --tokenizer-type (Megatron-LM's build_tokenizer fails on None): the runnable set uses
     --train-samples and --tokenizer-type GPT2BPETokenizer."""
@@ -35,7 +36,7 @@ def gpt3_175b(ckpt, tensorboard, vocab_file, merge_file, train_iters_as_given=Fa
         "--lr", "6.0e-3", "--lr-decay-style", "cosine", "--min-lr", "6.0e-4",
         "--lr-warmup-fraction", ".001", "--lr-decay-samples", "600",
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-        "--mock-data", "--vocab-file", vocab_file, "--merge-file", merge_file,
+        "--data-path", data_path, "--vocab-file", vocab_file, "--merge-file", merge_file,
         "--split", "949,50,1",
         "--log-interval", "4", "--save-interval", "1000", "--eval-interval", "1000",
         "--save", ckpt, "--load", ckpt, "--eval-iters", "1", "--tensorboard-dir", tensorboard,
@@ -93,6 +94,24 @@ def gpt2_files(tmp_path):
     return write_gpt2_files(str(tmp_path))
 
 
+def _gpt2_corpus(tmp_path, vocab_file, merge_file) -> str:
+    """--data-path prefix of 2000 short documents (the 949,50,1 split gives test one) tokenized with the tiny GPT-2 vocabulary."""
+    import json
+
+    from megatron_zeropp.data.preprocess import PreprocessConfig, preprocess
+
+    words = ["the", "cat", "in", "hat", "sat", "on", "a", "mat", "then", "ran"]
+    path = tmp_path / "corpus.jsonl"
+    with open(path, "w") as f:
+        for i in range(2000):
+            text = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(12 + i % 9))
+            f.write(json.dumps({"text": text}) + "\n")
+    result = preprocess(PreprocessConfig(
+        input=str(path), output_prefix=str(tmp_path / "gpt2"), tokenizer_type="GPT2BPETokenizer",
+        vocab_file=vocab_file, merge_file=merge_file, append_eod=True))
+    return result.prefixes["text"]
+
+
 def _parse_error(argv, world, capsys) -> str:
     with pytest.raises(SystemExit) as e:
         parse_args(argv, world_size=world)
@@ -145,7 +164,9 @@ def _series(tensorboard_dir):
                     reason="GPT2BPETokenizer needs transformers")
 def test_175b_flags_train_with_zeropp_fp16_and_batch_rampup(tmp_path, gpt2_files):
     tb = str(tmp_path / "tb")
-    argv = gpt3_175b(str(tmp_path / "ckpt"), tb, *gpt2_files) + ZEROPP
+    data = _gpt2_corpus(tmp_path, *gpt2_files)
+    argv = gpt3_175b(str(tmp_path / "ckpt"), tb, *gpt2_files, data_path=data) + ZEROPP
+    argv += ["--data-cache-path", str(tmp_path / "cache")]
     history, out = run_distributed(_pretrain, 2, 2, args=(argv,),
                                    env={"HF_HUB_OFFLINE": "1"})[-1]
     skipped = history["skipped"]

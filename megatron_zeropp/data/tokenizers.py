@@ -117,6 +117,7 @@ def _gpt2_bpe(vocab_file, merge_file, **kwargs):
         if not path or not os.path.isfile(path):
             raise ValueError(f"GPT2BPETokenizer needs an existing {flag}, got {path!r}")
     _need("transformers", "GPT2BPETokenizer")
+    import hashlib
     import json
     import tempfile
 
@@ -124,12 +125,26 @@ def _gpt2_bpe(vocab_file, merge_file, **kwargs):
 
     # megatron-core's "megatron" library would ask the Hugging Face hub for gpt2's config; a
     # local directory with the two files and a config naming GPT-2's tokenizer needs no network.
-    directory = tempfile.mkdtemp(prefix="gpt2-bpe-")
-    os.symlink(os.path.abspath(vocab_file), os.path.join(directory, "vocab.json"))
-    os.symlink(os.path.abspath(merge_file), os.path.join(directory, "merges.txt"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    # Its name depends only on the two files, so every rank (and every run) gets the same path:
+    # the path is part of the tokenizer's identity in megatron-core's dataset-cache hash.
+    files = [os.path.abspath(vocab_file), os.path.abspath(merge_file)]
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    name = f"megatron-zeropp-gpt2-bpe-{digest.hexdigest()[:16]}"
+    directory = os.path.join(tempfile.gettempdir(), name)
+    os.makedirs(directory, exist_ok=True)
+    for path, name in zip(files, ("vocab.json", "merges.txt")):
+        link = os.path.join(directory, name)
+        tmp = f"{link}.{os.getpid()}"
+        os.symlink(path, tmp)
+        os.replace(tmp, link)  # atomic: ranks racing here all end with a valid link
+    config = os.path.join(directory, "tokenizer_config.json")
+    with open(f"{config}.{os.getpid()}", "w") as f:
         json.dump({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>",
                    "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
+    os.replace(f"{config}.{os.getpid()}", config)
     return MegatronTokenizer.from_pretrained(
         tokenizer_path=directory, metadata_path={"library": "huggingface"}, **kwargs
     )
