@@ -21,7 +21,8 @@ def gpt3_175b(ckpt, tensorboard, vocab_file, merge_file, data_path="unused",
     sequence 2048 -> 64, global batch 1536 -> 16 (ramp-up 16 16 5859375 -> 4 4 32), 608 samples
     (41 iterations: fp16 skips the first ~20 while its 2^32 loss scale backs off), TP 8 x PP 16
     -> PP 2 on 4 ranks, lr 6e-5 -> 6e-3 (so 2 layers learn in a few steps), intervals shortened,
-    the data a small corpus preprocessed with the same vocabulary. The script gives --train-iters with --rampup-batch-size, which
+    the data a small corpus preprocessed with the same vocabulary. The script gives
+    --train-iters with --rampup-batch-size, which
     Megatron-LM itself rejects ("expected no batch-size rampup for iteration-based training"),
     and no --tokenizer-type (Megatron-LM's build_tokenizer fails on None): the runnable set uses
     --train-samples and --tokenizer-type GPT2BPETokenizer."""
@@ -95,7 +96,8 @@ def gpt2_files(tmp_path):
 
 
 def _gpt2_corpus(tmp_path, vocab_file, merge_file) -> str:
-    """--data-path prefix of 2000 short documents (the 949,50,1 split gives test one) tokenized with the tiny GPT-2 vocabulary."""
+    """--data-path prefix of 2000 short documents tokenized with the tiny GPT-2 vocabulary (the
+    949,50,1 split then gives the test split two documents)."""
     import json
 
     from megatron_zeropp.data.preprocess import PreprocessConfig, preprocess
