@@ -131,6 +131,24 @@ def test_exit_duration_saves_and_stops_then_finetune_starts_at_zero(tmp_path):
     scratch = run_distributed(_pretrain, 1, 2, args=(_argv(tmp_path, []),))[0]
     assert tuned["loss"][0] < scratch["loss"][0]  # it did start from the trained weights
     assert tuned["test_loss"] and tuned["val_loss"][-1][0] == 6  # final evaluation ran
+    # --use-checkpoint-args: the saved shape (2 layers, hidden 64) replaces the command line's;
+    # without it, loading 2 layers into this 3-layer, hidden-128 model fails.
+    other_shape = [a for a in _argv(tmp_path, ["--load", save, "--finetune"])]
+    other_shape[other_shape.index("--num-layers") + 1] = "3"
+    other_shape[other_shape.index("--hidden-size") + 1] = "128"
+    from megatron_zeropp.simulated_nodes import DistributedFailure
+
+    with pytest.raises(DistributedFailure):
+        run_distributed(_pretrain, 1, 2, args=(other_shape,), timeout=120)
+    reused = run_distributed(_pretrain, 1, 2, args=(other_shape + ["--use-checkpoint-args"],))[0]
+    assert reused["loss"][0] == tuned["loss"][0]
+
+
+def test_eod_masking_and_resets_train(tmp_path):
+    history = run_distributed(_pretrain, 1, 2, args=(_argv(tmp_path, [
+        "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]),))[0]
+    assert history["loss"][-1] < history["loss"][0]
+    assert not any(history["skipped"])
 
 
 def _per_token(ctx, per_token):
