@@ -84,3 +84,22 @@ def test_overflow_on_one_rank_skips_and_backs_off_everywhere(impl):
     # Negative control: nothing poisoned, nothing skipped, the scale stays.
     clean = run_distributed(_overflow_on_one_rank, 1, 2, args=(impl, 99))
     assert all(c[:2] == ([False] * 3, [4096.0] * 3) for c in clean), clean
+
+
+def _pretrain(ctx, argv):
+    from megatron_zeropp.training.loop import pretrain
+
+    return pretrain(argv)
+
+
+def test_pretrain_fp16_on_megatron_ddp_scales_the_loss(tmp_path):
+    # The command-line path wires grad_scale_func for --data-parallel-impl megatron too (the
+    # ZeRO++ path runs in tests/test_megatron_lm_scripts.py's 175B set).
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters 30 --fp16 "
+            "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --eval-iters 0 "
+            f"--data-parallel-impl megatron --data-cache-path {tmp_path}").split()
+    history = run_distributed(_pretrain, 1, 2, args=(argv,))[0]
+    applied = [loss for loss, s in zip(history["loss"], history["skipped"]) if not s]
+    assert history["skipped"][0] and 8 <= len(applied) < 30
+    assert applied[-1] < applied[0] - 0.3, history["loss"]
