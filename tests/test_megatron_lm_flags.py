@@ -186,3 +186,22 @@ def test_missing_te_and_apex_are_reported_once_per_job(tmp_path):
     text = run.stdout + run.stderr
     lines = [ln for ln in text.splitlines() if "not installed" in ln]
     assert len(lines) == 1 and lines[0].startswith("> note:"), lines
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_zero_centered_norm_scales_by_one_plus_weight(normalization):
+    from megatron_zeropp.training.zero_centered_norm import ZeroCenteredNorm
+
+    config = argparse.Namespace(normalization=normalization, params_dtype=torch.float32,
+                                sequence_parallel=False)
+    norm = ZeroCenteredNorm(config, 8, eps=1e-5)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    F = torch.nn.functional
+    plain = (F.layer_norm(x, (8,), eps=1e-5) if normalization == "LayerNorm"
+             else F.rms_norm(x, (8,), eps=1e-5))
+    assert torch.equal(norm(x), plain)  # gamma starts at 1: zero weight
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    scaled = (F.layer_norm(x, (8,), 1 + norm.weight, norm.bias, 1e-5)
+              if normalization == "LayerNorm" else F.rms_norm(x, (8,), 1 + norm.weight, 1e-5))
+    assert torch.equal(norm(x), scaled) and not torch.equal(scaled, plain)

@@ -47,7 +47,7 @@ def gpt3_175b(ckpt, tensorboard, vocab_file, merge_file, data_path="unused",
 
 LLAMA_FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
              "--fp8-amax-compute-algo", "max", "--fp8-param-gather"]
-LLAMA_NEEDS_TE = ["--attention-backend", "fused", "--apply-layernorm-1p"]
+LLAMA_NEEDS_TE = ["--attention-backend", "fused"]
 
 
 def llama3_8b(ckpt, tensorboard, cpu_ready=False):
@@ -55,7 +55,7 @@ def llama3_8b(ckpt, tensorboard, cpu_ready=False):
     4096 -> 64, ffn 14336 -> 224, heads 32 -> 4, groups 8 -> 2, kv-channels 128 -> 16, sequence
     8192 -> 64, vocabulary 128256 -> 256, global batch 128 -> 8, samples 1953125000 -> 128
     (decay 120, warmup 16), lr x10, 8 GPUs -> 2 ranks. ``cpu_ready`` drops what needs
-    Transformer Engine (fp8, the fused attention backend, layernorm-1p) and asks for the
+    Transformer Engine (fp8, the fused attention backend) and asks for the
     torch checkpoint format (torch_dist is not implemented yet)."""
     argv = [
         "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64",
@@ -64,7 +64,7 @@ def llama3_8b(ckpt, tensorboard, cpu_ready=False):
         "--max-position-embeddings", "64", "--position-embedding-type", "rope",
         "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
         "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
-        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "128",
         "--lr-decay-samples", "120", "--lr-warmup-samples", "16", "--lr", "0.0015",
         "--min-lr", "0.0001", "--decoupled-lr", "5.0e-3", "--decoupled-min-lr", "4.5e-4",
@@ -132,7 +132,6 @@ def test_llama_fp8_fails_at_the_door_naming_each_flag(tmp_path, capsys):
     err = _parse_error(llama3_8b(str(tmp_path / "ckpt"), str(tmp_path / "tb")), 2, capsys)
     assert "--fp8-format hybrid: fp8 needs Transformer Engine, which is not importable" in err
     assert "--attention-backend fused: needs Transformer Engine" in err
-    assert "--apply-layernorm-1p: zero-centred gamma needs" in err
     assert "--ckpt-format torch_dist: megatron-core dist_checkpointing is not implemented" in err
     assert "unrecognized arguments" not in err
     # Negative control: the CPU-ready set parses.

@@ -91,6 +91,10 @@ def gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization=normalization)
+        if config.layernorm_zero_centered_gamma:
+            from .zero_centered_norm import zero_centered_layer_spec
+
+            spec = zero_centered_layer_spec(spec, config)
     gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
     gpt_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
     model = GPTModel(

@@ -138,9 +138,6 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
     if args.attention_backend not in ("auto", "local") and not te:
         errors.append(f"--attention-backend {args.attention_backend}: needs Transformer Engine's "
                       "layer spec (not importable here); use auto or local")
-    if args.apply_layernorm_1p and not te and not importlib.util.find_spec("apex"):
-        errors.append("--apply-layernorm-1p: zero-centred gamma needs Transformer Engine's or "
-                      "apex's LayerNorm; megatron-core's torch LayerNorm rejects it")
     if args.async_save and args.ckpt_format != "torch_dist":
         errors.append("--async-save needs --ckpt-format torch_dist (as in Megatron-LM)")
     if args.ckpt_format == "torch_dist" and (args.save or args.load):
