@@ -130,7 +130,7 @@ def test_exit_duration_saves_and_stops_then_finetune_starts_at_zero(tmp_path):
     assert tuned["iterations"] == [1, 2, 3, 4, 5, 6]
     scratch = run_distributed(_pretrain, 1, 2, args=(_argv(tmp_path, []),))[0]
     assert tuned["loss"][0] < scratch["loss"][0]  # it did start from the trained weights
-    assert tuned["test_loss"] and tuned["val_loss"][-1][0] == 6  # final evaluation ran
+    assert tuned["test_loss"][0][0] == tuned["final_val_loss"][0][0] == 6  # final evaluation
     # --use-checkpoint-args: the saved shape (2 layers, hidden 64) replaces the command line's;
     # without it, loading 2 layers into this 3-layer, hidden-128 model fails.
     other_shape = [a for a in _argv(tmp_path, ["--load", save, "--finetune"])]

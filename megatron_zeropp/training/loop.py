@@ -203,7 +203,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         dp_rank, dp_size, consumed, device)
     board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None, args)
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
-               "test_loss": []}
+               "final_val_loss": [], "test_loss": []}
     stats = IntervalStats()
     collector = ManualGC(args)
     profiler = NsysRange(args)
@@ -311,6 +311,7 @@ def _final_evaluation(args, chunks, valid_ds, test_ds, dp_group, pp_group, evals
         loss = _evaluate(chunks, args, dataset, dp_group, pp_group, start, nmb, device)
         if loss is None:
             continue
-        history["val_loss" if name == "validation" else "test_loss"].append((iteration, loss))
+        history["final_val_loss" if name == "validation" else "test_loss"].append(
+            (iteration, loss))
         board.validation(iteration, consumed, loss)  # Megatron-LM uses one series for both
         _log(validation_log_line(f"iteration {iteration} on {name} set", loss))
