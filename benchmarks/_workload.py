@@ -70,21 +70,10 @@ def setup_megatron(seed: int = 1234) -> None:
 
 
 def _transformer_config(spec: ModelSpec):
-    from megatron.core.transformer import TransformerConfig
+    from megatron_zeropp.training.builders import gpt_transformer_config
 
-    return TransformerConfig(
-        num_layers=spec.layers,
-        hidden_size=spec.hidden,
-        num_attention_heads=spec.heads,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        pipeline_dtype=torch.bfloat16,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    return gpt_transformer_config(spec.layers, spec.hidden, spec.heads, dtype=torch.bfloat16,
+                                  hidden_dropout=0.0, attention_dropout=0.0)
 
 
 @dataclass
@@ -104,38 +93,23 @@ def build(topology, name: str, zeropp: ZeroPPConfig, spec: ModelSpec, seed: int 
     Call :func:`setup_megatron` first. Several models may be built in one process (each gets
     its own TransformerConfig, so the schedule hooks do not collide).
     """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.module import Float16Module
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_zeropp.optimizer import get_zeropp_optimizer
     from megatron_zeropp.sharding import ZeroPPDataParallel
+    from megatron_zeropp.training.builders import adam_config, gpt_model, wire_schedule_hooks
 
     torch.manual_seed(seed)
     config = _transformer_config(spec)
-    module = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=spec.vocab,
-        max_sequence_length=spec.seq,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
-    module = Float16Module(config, module)  # bf16 compute needs the wrapper (mixed-dtype matmul)
+    module = gpt_model(config, spec.vocab, spec.seq)  # Float16Module: bf16 compute needs it
     wrapped = ZeroPPDataParallel(
         config, DistributedDataParallelConfig(use_distributed_optimizer=True), module, topology,
         zeropp,
     )
     optimizer = get_zeropp_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, bf16=True,
-                        loss_scale=1.0, use_distributed_optimizer=True),
-        [wrapped],
+        adam_config(1e-4, dtype=torch.bfloat16, weight_decay=0.01, clip_grad=1.0), [wrapped]
     )
-    config.no_sync_func = wrapped.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    wire_schedule_hooks(config, wrapped, optimizer)
     elements = sum(b.param_data.numel() for u in wrapped.units for b in u.buckets)
     return Built(name, wrapped, optimizer, elements)
 

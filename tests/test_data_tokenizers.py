@@ -84,8 +84,12 @@ def test_null_tokenizer():
 
 
 def test_build_errors(tmp_path):
-    with pytest.raises(ValueError, match="tokenizer_type='GPT2BPETokenizer' is not supported"):
-        build_tokenizer("GPT2BPETokenizer", "x")
+    with pytest.raises(ValueError, match="tokenizer_type='BertWordPieceCase' is not supported"):
+        build_tokenizer("BertWordPieceCase", "x")
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs an existing vocab_file"):
+        build_tokenizer("GPT2BPETokenizer")
+    with pytest.raises(ValueError, match="TikTokenizer needs an existing vocabulary"):
+        build_tokenizer("TikTokenizer", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="does not exist"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))
     with pytest.raises(ValueError, match="needs tokenizer_model"):
@@ -137,3 +141,30 @@ def test_train_tokenizer_tool_reads_jsonl_keys(tmp_path, capsys):
     assert tokenizer.detokenize(tokenizer.tokenize(TRICKY)) == TRICKY
     assert tool.main(argv[:3] + ["text"] + argv[4:]) == 2  # the key is "body"
     assert "has no key 'text'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="GPT2BPETokenizer needs transformers")
+def test_gpt2_bpe_from_vocab_and_merge_files(tmp_path):
+    from bpe_files import write_gpt2_files
+
+    vocab_file, merge_file = write_gpt2_files(str(tmp_path))
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert tok.vocab_size == 256 + 5 + 1
+    assert tok.eod == 261  # <|endoftext|>, the last id
+    ids = tok.tokenize(" the in")
+    assert ids == [258, 32, 259]  # "Ġthe" (merged), "Ġ" (byte 32), "in" (merged)
+    assert tok.detokenize(ids) == " the in"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tiktoken") is None,
+                    reason="TikTokenizer needs tiktoken")
+def test_tiktoken_from_a_local_vocabulary(tmp_path):
+    from bpe_files import write_tiktoken_file
+
+    path = write_tiktoken_file(str(tmp_path))
+    tok = build_tokenizer("TikTokenizer", path, tiktoken_pattern="v2", num_special_tokens=32,
+                          vocab_size=261 + 32)
+    ids = tok.tokenize("the cat")
+    assert tok.detokenize(ids) == "the cat"
+    assert len(ids) < len("the cat")  # merges applied

@@ -28,7 +28,7 @@ def _train(ctx, tp, pp, data_seed):
     config = T.tiny_config(tp, pp)
     ddp = T.megatron_ddp(T.build_model(config), config)
     opt = get_megatron_optimizer(T.optimizer_config(), [ddp])
-    T.wire_schedule_hooks(config, ddp)
+    T.wire_schedule_hooks(config, ddp, opt)
     dp_group, pp_group = T.groups()
     dp_rank, dp_size = dp_group.rank(), dp_group.size()
     out = []

@@ -49,9 +49,11 @@ def test_overlap_param_gather_is_accepted_by_the_zeropp_layer():
     # it reaches megatron-core's DDP config only on --data-parallel-impl megatron.
     from megatron_zeropp.training.model import ddp_config
 
-    args = parse_args(ARGV + ["--train-iters", "3", "--overlap-param-gather"], world_size=2)
+    args = parse_args(ARGV + ["--train-iters", "3", "--overlap-grad-reduce",
+                              "--overlap-param-gather"], world_size=2)
     assert args.overlap_param_gather and not ddp_config(args).overlap_param_gather
-    mcore = parse_args(ARGV + ["--train-iters", "3", "--overlap-param-gather",
+    mcore = parse_args(ARGV + ["--train-iters", "3", "--overlap-grad-reduce",
+                               "--overlap-param-gather",
                                "--data-parallel-impl", "megatron"], world_size=2)
     assert ddp_config(mcore).overlap_param_gather
 

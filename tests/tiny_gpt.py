@@ -19,49 +19,19 @@ def setup_megatron(tp: int, pp: int, seed: int = 1234) -> None:
 
 def tiny_config(tp: int, pp: int, layers: int = 4, hidden: int = 64, heads: int = 4,
                 dtype: torch.dtype = torch.float32, **overrides):
-    """TransformerConfig for a small GPT; sequence parallel on whenever TP > 1."""
-    from megatron.core.transformer import TransformerConfig
+    """TransformerConfig for a small GPT without dropout; sequence parallel on whenever TP > 1."""
+    from megatron_zeropp.training.builders import gpt_transformer_config
 
-    kwargs = dict(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel=tp > 1,
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        pipeline_dtype=dtype,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides}
+    return gpt_transformer_config(layers, hidden, heads, tp=tp, pp=pp, sequence_parallel=tp > 1,
+                                  dtype=dtype, **overrides)
 
 
 def build_model(config, vocab: int = VOCAB, seq: int = SEQ):
     """This pipeline stage's GPTModel (local layer spec), wrapped in Float16Module for bf16/fp16."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron_zeropp.training.builders import gpt_model
 
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=vocab,
-        max_sequence_length=seq,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
-    if config.bf16 or config.fp16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)
-    return model
+    return gpt_model(config, vocab, seq)
 
 
 def global_batches(steps: int, global_batch: int, seed: int = 0, vocab: int = VOCAB,
@@ -107,22 +77,20 @@ def megatron_ddp(model, config, **ddp_overrides):
     return DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model)
 
 
-def optimizer_config(**overrides):
-    """Adam through megatron-core's distributed optimizer."""
-    from megatron.core.optimizer import OptimizerConfig
+def optimizer_config(dtype: torch.dtype = torch.float32, **overrides):
+    """Adam through megatron-core's distributed optimizer (bf16: constant loss scale 1)."""
+    from megatron_zeropp.training.builders import adam_config
 
-    kwargs = dict(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0,
-                  use_distributed_optimizer=True)
+    kwargs = dict(weight_decay=0.01, clip_grad=1.0)
     kwargs.update(overrides)
-    return OptimizerConfig(**kwargs)
+    return adam_config(kwargs.pop("lr", 1e-3), dtype=dtype, **kwargs)
 
 
-def wire_schedule_hooks(config, ddp_model) -> None:
+def wire_schedule_hooks(config, ddp_model, optimizer=None) -> None:
     """The hooks megatron-core's schedules call (Megatron-LM's training.py sets the same)."""
-    from megatron.core.distributed import finalize_model_grads
+    from megatron_zeropp.training.builders import wire_schedule_hooks as wire
 
-    config.no_sync_func = ddp_model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    wire(config, ddp_model, optimizer)
 
 
 def groups():

@@ -33,7 +33,7 @@ def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=
             ctx.topology(tp, pp), zeropp or ZeroPPConfig(),
         )
         optimizer = get_zeropp_optimizer(opt_cfg, [wrapped])
-    T.wire_schedule_hooks(config, wrapped)
+    T.wire_schedule_hooks(config, wrapped, optimizer)
     return config, wrapped, optimizer
 
 

@@ -119,6 +119,8 @@ class DataConfig:
     """No loss on EOD tokens [--eod-mask-loss]."""
     create_attention_mask: bool = True
     """Put a causal ``attention_mask`` into each sample (False: the attention kernel makes it)."""
+    mmap_bin_files: bool = True
+    """Memory-map the ``.bin`` files (False: read them) [--no-mmap-bin-files]."""
 
     def __post_init__(self) -> None:
         if self.seq_length < 1:
@@ -299,6 +301,7 @@ def build_gpt_datasets(
         reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
+        mmap_bin_files=config.mmap_bin_files,
     )
     dataset_class = MockGPTDataset if config.mock_data else GPTDataset
     builder = BlendedMegatronDatasetBuilder(

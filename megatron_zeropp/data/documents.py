@@ -31,7 +31,8 @@ def iter_documents(
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            yield from (text for _, text in json_fields(line, json_keys, path, line_number))
+            for _, text in json_fields(line, json_keys, path, line_number):
+                yield text if isinstance(text, str) else "\n".join(text)
 
 
 def json_fields(line: str, json_keys: Sequence[str], path: str, line_number: int):
@@ -47,9 +48,13 @@ def json_fields(line: str, json_keys: Sequence[str], path: str, line_number: int
             raise ValueError(
                 f"{path}:{line_number} has no key {key!r} (keys: {sorted(record)[:10]})"
             )
-        if not isinstance(record[key], str):
+        value = record[key]
+        # A list of strings is a pre-split document (sentences), as Megatron-LM's tool takes it.
+        if not isinstance(value, str) and not (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
             raise ValueError(
                 f"{path}:{line_number} key {key!r} holds a {type(record[key]).__name__}, "
-                "not a string"
+                "not a string (or a list of strings)"
             )
         yield key, record[key]

@@ -14,6 +14,12 @@ Every returned tokenizer has ``.tokenize(text) -> list[int]``, ``.detokenize(ids
   ``vocab_size`` (so ``.vocab_size`` is one more than asked, as in Megatron-LM).
 - ``HuggingFaceTokenizer``: ``tokenizer_model`` is a local directory or hub name understood by
   ``transformers.AutoTokenizer``; needs ``transformers``.
+- ``GPT2BPETokenizer``: ``vocab_file`` (``gpt2-vocab.json``) and ``merge_file``
+  (``gpt2-merges.txt``), as Megatron-LM's ``--vocab-file --merge-file``; needs ``transformers``.
+- ``Llama2Tokenizer``: a SentencePiece ``.model`` file (``eod`` is its end-of-sentence id).
+- ``TikTokenizer``: ``tokenizer_model`` is a tiktoken vocabulary ``.json`` (a list of
+  ``{"rank", "token_bytes", "token_str"}``), ``tiktoken_pattern`` ``v1`` or ``v2``; needs
+  ``tiktoken``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import importlib.util
 import os
 from typing import Any
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer",
+                   "GPT2BPETokenizer", "Llama2Tokenizer", "TikTokenizer")
 """The ``--tokenizer-type`` values we accept."""
 
 
@@ -52,6 +59,12 @@ def build_tokenizer(
         raise ValueError(
             f"tokenizer_type={tokenizer_type!r} is not supported; choose one of {TOKENIZER_TYPES}"
         )
+    if tokenizer_type == "GPT2BPETokenizer":
+        return _gpt2_bpe(kwargs.pop("vocab_file", None), kwargs.pop("merge_file", None), **kwargs)
+    if tokenizer_type == "TikTokenizer":
+        if vocab_size is not None:
+            kwargs["vocab_size"] = int(vocab_size)
+        return _tiktoken(tokenizer_model, **kwargs)
     if tokenizer_type == "NullTokenizer":
         if tokenizer_model is not None:
             raise ValueError(
@@ -69,7 +82,7 @@ def build_tokenizer(
             )
         if not tokenizer_model:
             raise ValueError(f"{tokenizer_type} needs tokenizer_model, got {tokenizer_model!r}")
-        if tokenizer_type == "SentencePieceTokenizer":
+        if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
             if not os.path.isfile(tokenizer_model):
                 raise ValueError(
                     f"SentencePiece model file {tokenizer_model!r} does not exist "
@@ -91,6 +104,63 @@ def build_tokenizer(
 
     return MegatronTokenizer.from_pretrained(
         tokenizer_path=path, metadata_path={"library": library}, **kwargs
+    )
+
+
+def _need(package: str, tokenizer_type: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"{tokenizer_type} needs the '{package}' package (pip install {package})")
+
+
+def _gpt2_bpe(vocab_file, merge_file, **kwargs):
+    for flag, path in (("vocab_file", vocab_file), ("merge_file", merge_file)):
+        if not path or not os.path.isfile(path):
+            raise ValueError(f"GPT2BPETokenizer needs an existing {flag}, got {path!r}")
+    _need("transformers", "GPT2BPETokenizer")
+    import hashlib
+    import json
+    import tempfile
+
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    # megatron-core's "megatron" library would ask the Hugging Face hub for gpt2's config; a
+    # local directory with the two files and a config naming GPT-2's tokenizer needs no network.
+    # Its name depends only on the two files, so every rank (and every run) gets the same path:
+    # the path is part of the tokenizer's identity in megatron-core's dataset-cache hash.
+    files = [os.path.abspath(vocab_file), os.path.abspath(merge_file)]
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    name = f"megatron-zeropp-gpt2-bpe-{digest.hexdigest()[:16]}"
+    directory = os.path.join(tempfile.gettempdir(), name)
+    os.makedirs(directory, exist_ok=True)
+    for path, name in zip(files, ("vocab.json", "merges.txt")):
+        link = os.path.join(directory, name)
+        tmp = f"{link}.{os.getpid()}"
+        os.symlink(path, tmp)
+        os.replace(tmp, link)  # atomic: ranks racing here all end with a valid link
+    config = os.path.join(directory, "tokenizer_config.json")
+    with open(f"{config}.{os.getpid()}", "w") as f:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>",
+                   "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
+    os.replace(f"{config}.{os.getpid()}", config)
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=directory, metadata_path={"library": "huggingface"}, **kwargs
+    )
+
+
+def _tiktoken(tokenizer_model, tiktoken_pattern=None, **kwargs):
+    if not tokenizer_model or not os.path.isfile(tokenizer_model):
+        raise ValueError(f"TikTokenizer needs an existing vocabulary .json, got "
+                         f"{tokenizer_model!r}")
+    _need("tiktoken", "TikTokenizer")
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    if tiktoken_pattern is not None:
+        kwargs["pattern"] = tiktoken_pattern
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=tokenizer_model, metadata_path={"library": "tiktoken"}, **kwargs
     )
 
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from . import arg_checks
+from . import arg_checks, megatron_lm_flags
 from .profiling import add_profile_args, validate_profile_args
 
 
@@ -94,7 +94,8 @@ def _batch_and_optimizer_args(p: argparse.ArgumentParser) -> None:
 
 def _run_and_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="or --train-samples (one of the two is required)")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=100)
@@ -113,7 +114,8 @@ def _run_and_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-data", metavar="DIR", default=None,
                    help="build the embedded sample corpus + tokenizer in DIR and train on it")
     g.add_argument("--tokenizer-type",
-                   choices=("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer"),
+                   choices=("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer",
+                            "GPT2BPETokenizer", "Llama2Tokenizer", "TikTokenizer"),
                    default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary")
@@ -165,9 +167,6 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
     g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="megatron-core DDP: overlap the parameter all-gather with the forward "
-                   "pass; the ZeRO++ layer always does (prefetch), so there it changes nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_and_data_args(p)
     _zeropp_args(p)
     add_profile_args(p)
+    megatron_lm_flags.add_args(p)
     return p
 
 
@@ -190,9 +190,13 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     args = build_parser().parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
-        validate(args, world)
+        notes = validate(args, world)
     except ValueError as e:
         build_parser().error(str(e))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else \
+        int(os.environ.get("RANK", "0"))
+    if notes and rank == 0:
+        print("> note: " + "; ".join(notes), flush=True)
     return args
 
 
@@ -215,9 +219,13 @@ def _ffn_default(args) -> int:
     return 4 * args.hidden_size
 
 
-def validate(args, world_size: int) -> None:
-    """Fill defaults that depend on other flags and reject impossible combinations."""
-    errors = []
+def validate(args, world_size: int) -> List[str]:
+    """Fill defaults that depend on other flags and reject impossible combinations.
+
+    Returns notes for the user (flags accepted without effect, settings Megatron-LM also
+    overrides); raises ValueError naming every bad flag.
+    """
+    errors, notes = [], []
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
     if min(tp, pp, cp) < 1 or world_size % (tp * pp * cp):
@@ -227,7 +235,9 @@ def validate(args, world_size: int) -> None:
     if args.bf16 and args.fp16:
         errors.append("--bf16 and --fp16 are mutually exclusive")
     if args.sequence_parallel and tp == 1:
-        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        # Megatron-LM does the same (sequence parallelism without TP only changes numerics).
+        notes.append("--sequence-parallel disabled: --tensor-model-parallel-size is 1")
+        args.sequence_parallel = False
     if args.num_layers % pp:
         errors.append(f"--num-layers {args.num_layers} is not divisible by "
                       f"--pipeline-model-parallel-size {pp}")
@@ -248,7 +258,12 @@ def validate(args, world_size: int) -> None:
     if args.global_batch_size % (args.micro_batch_size * dp):
         errors.append(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                       f"--micro-batch-size x DP = {args.micro_batch_size} x {dp}")
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    args.split = args.split.strip("'\"")  # Megatron-LM's llama script passes "'99,1,0'"
+    megatron_lm_flags.validate(args, world_size, dp, errors, notes)
+    if args.train_iters is None and args.train_samples is not None and not errors:
+        args.train_iters = megatron_lm_flags.iterations_for_samples(args)
+    if args.train_iters is not None:
+        args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     sources = [args.mock_data, args.data_path is not None, args.sample_data is not None,
                any(x is not None for x in (args.train_data_path, args.valid_data_path))]
     if sum(bool(s) for s in sources) != 1:
@@ -258,8 +273,8 @@ def validate(args, world_size: int) -> None:
         errors.append("--tokenizer-type is required (or use --sample-data)")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         errors.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and \
-            args.tokenizer_model is None:
+    if args.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer",
+                               "Llama2Tokenizer") and args.tokenizer_model is None:
         errors.append(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     zeropp_flags = [f for f in ("zeropp_qwz", "zeropp_hpz", "zeropp_qgz", "zeropp_shard_grads")
                     if getattr(args, f)]
@@ -279,7 +294,7 @@ def validate(args, world_size: int) -> None:
     if args.save_interval is not None and args.save is None:
         errors.append("--save-interval needs --save")
     for name in ("train_iters", "log_interval", "eval_interval", "micro_batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     errors += arg_checks.layout_errors(args, world_size)
     if errors:
@@ -289,6 +304,7 @@ def validate(args, world_size: int) -> None:
         zeropp_config(args)
     except ValueError as e:
         raise ValueError(arg_checks.zeropp_flag_names(str(e))) from None
+    return notes
 
 
 def zeropp_config(args):

@@ -99,10 +99,11 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra) -> dict:
+def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra,
+                save_optim=True, save_rng=True) -> dict:
     params = {}
     for opt, name, p, main, (start, end) in _owned(optimizer, model_chunks):
-        adam = opt.optimizer.state.get(main, {})
+        adam = opt.optimizer.state.get(main, {}) if save_optim else {}
         params[name] = {
             "shape": tuple(p.shape), "start": start, "end": end,
             "main": main.detach().cpu().clone(),
@@ -117,20 +118,23 @@ def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler,
         "consumed_samples": consumed_samples,
         "layout": _layout(),
         "params": params,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "grad_scalers": scalers,
-        "rng": _rng_state(),
+        "scheduler": scheduler.state_dict() if scheduler is not None and save_optim else None,
+        "grad_scalers": scalers if save_optim else [None] * len(scalers),
+        "rng": _rng_state() if save_rng else None,
         "extra": extra or {},
     }
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler=None, extra: Optional[dict] = None, overwrite: bool = False,
-                    model_config: Optional[dict] = None) -> str:
+                    model_config: Optional[dict] = None, save_optim: bool = True,
+                    save_rng: bool = True) -> str:
     """Write this iteration's checkpoint collectively (every rank calls); returns its directory.
 
     Refuses (on every rank, before any collective) to move ``latest`` back or to replace an
     iteration unless ``overwrite``. ``model_config`` is stored for the check on load.
+    ``save_optim=False`` (--no-save-optim) leaves out the Adam moments, LR scheduler and loss
+    scaler (the fp32 main weights stay: they are the weights); ``save_rng=False`` the RNG states.
     """
     checkpoint_checks.check_save_iteration(root, iteration, overwrite)
     final = iteration_dir(root, iteration)
@@ -144,7 +148,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
             checkpoint_checks.write_model_config(tmp, model_config)
     dist.barrier()
     lay = _layout()
-    state = _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra)
+    state = _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra,
+                        save_optim, save_rng)
     path = os.path.join(tmp, _rank_file(lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]))
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
@@ -260,6 +265,21 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
         for opt, scaler in zip(distributed_optimizers(optimizer), first["grad_scalers"]):
             if opt.grad_scaler is not None and scaler is not None:
                 opt.grad_scaler.load_state_dict(scaler)
-    if load_rng and single:
+    if load_rng and single and first.get("rng") is not None:
         _set_rng_state(first["rng"])
     return it, first["consumed_samples"]
+
+
+def saved_args(root: str, iteration: Optional[int] = None) -> dict:
+    """The command-line arguments stored with a checkpoint (--use-checkpoint-args)."""
+    it = latest_iteration(root) if iteration is None else iteration
+    if it is None:
+        raise ValueError(f"--use-checkpoint-args: no {LATEST} in {root}")
+    files = sorted(glob.glob(os.path.join(iteration_dir(root, it), "mp_rank_*.pt")))
+    if not files:
+        raise ValueError(f"--use-checkpoint-args: no checkpoint files in {iteration_dir(root, it)}")
+    state = torch.load(files[0], weights_only=False, mmap=True)
+    saved = state.get("extra", {}).get("args")
+    if not saved:
+        raise ValueError(f"--use-checkpoint-args: {files[0]} stores no arguments")
+    return saved

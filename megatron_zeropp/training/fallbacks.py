@@ -26,5 +26,5 @@ def fallback_summary() -> Optional[str]:
                if importlib.util.find_spec(module) is None]
     if not missing:
         return None
-    return (f"> not installed: {' and '.join(missing)}; megatron-core uses its torch fallbacks "
-            f"(norms, optimizer, fused kernels)")
+    return (f"> note: not installed: {' and '.join(missing)}; megatron-core uses its torch "
+            "fallbacks (norms, optimizer, fused kernels)")

@@ -15,10 +15,19 @@ import torch
 import torch.distributed as dist
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked mean of the per-token losses of one micro-batch."""
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+    """Masked mean of the per-token losses of one micro-batch.
+
+    ``per_token`` (``--calculate-per-token-loss``): the masked sum and the token count instead,
+    as Megatron-LM returns them; megatron-core then divides the gradients by the tokens of the
+    whole global batch rather than averaging per micro-batch.
+    """
     losses = output_tensor.float()
     mask = loss_mask.view(-1).float()
+    if per_token:
+        total = torch.sum(losses.view(-1) * mask)
+        tokens = mask.sum().detach().to(torch.int)
+        return total, tokens, {"lm loss": torch.stack([total.detach(), mask.sum().detach()])}
     loss = torch.sum(losses.view(-1) * mask) / mask.sum().clamp(min=1.0)
     # The schedule divides the returned loss in place by the number of micro-batches: report a copy.
     return loss, {"lm loss": loss.detach().clone()}
@@ -33,7 +42,8 @@ def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model):
         batch.get("attention_mask"),
         labels=batch["labels"],
     )
-    return output, partial(loss_func, batch["loss_mask"])
+    per_token = getattr(getattr(model, "config", None), "calculate_per_token_loss", False)
+    return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
 
 
 @dataclass(frozen=True)
@@ -50,19 +60,31 @@ class StepResult:
     """Zeros in the gradient, when the optimizer counts them."""
 
 
-def _mean_loss(losses: List[Dict[str, torch.Tensor]], dp_group, pp_group) -> float:
+def _per_token(model_chunks) -> bool:
+    return bool(getattr(getattr(model_chunks[0], "config", None), "calculate_per_token_loss",
+                        False))
+
+
+def _mean_loss(losses: List[Dict[str, torch.Tensor]], dp_group, pp_group,
+               per_token: bool = False) -> float:
     # Only the last pipeline stage sees losses; sum over PP (others contribute 0), mean over DP.
-    if losses:
+    # Per-token losses arrive as [sum, tokens]: sum both everywhere, then divide.
+    if losses and per_token:
+        local = torch.stack([d["lm loss"].float() for d in losses]).sum(0)
+    elif losses:
         local = torch.stack([d["lm loss"].float() for d in losses]).mean().view(1)
     else:
-        local = torch.zeros(1)
+        local = torch.zeros(2 if per_token else 1)
     device = losses[0]["lm loss"].device if losses else _device()
     local = local.to(device)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(local, group=pp_group)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(local, group=dp_group)
-        local /= dist.get_world_size(dp_group)
+        if local.numel() == 1:
+            local /= dist.get_world_size(dp_group)
+    if local.numel() == 2:
+        return float((local[0] / local[1].clamp(min=1)).item())
     return float(local.item())
 
 
@@ -112,7 +134,7 @@ def train_step(
         model_chunks, data_iterator, num_microbatches, seq_length, micro_batch_size, False
     )
     ok, grad_norm, num_zeros = optimizer.step()
-    loss = _mean_loss(losses, dp_group, pp_group)
+    loss = _mean_loss(losses, dp_group, pp_group, _per_token(model_chunks))
     return StepResult(
         loss=loss,
         grad_norm=None if grad_norm is None else float(grad_norm),
@@ -130,4 +152,4 @@ def eval_step(
     losses = run_microbatches(
         model_chunks, data_iterator, num_microbatches, seq_length, micro_batch_size, True
     )
-    return _mean_loss(losses, dp_group, pp_group)
+    return _mean_loss(losses, dp_group, pp_group, _per_token(model_chunks))

@@ -54,29 +54,49 @@ class IntervalStats:
                 self.bytes[key] = self.bytes.get(key, 0) + c.total(protocol=protocol)
 
 
+def timestamp() -> str:
+    """Megatron-LM's log-line prefix time, ``YYYY-mm-dd HH:MM:SS.ffffff``."""
+    import datetime
+
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def training_log_line(
     iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
     lr: float, global_batch_size: int, loss_scale: float, grad_norm: Optional[float],
     flops_per_iteration: float, world_size: int, tokens_per_iteration: int,
+    log_throughput: bool = True, num_zeros: Optional[float] = None,
+    params_norm: Optional[float] = None, decoupled_lr: Optional[float] = None,
 ) -> str:
-    """One Megatron-LM training line; our fields come after ``number of nan iterations``."""
+    """One Megatron-LM training line (its fields, order and formats; throughput only with
+    --log-throughput, num zeros / params norm when asked); our fields come after
+    ``number of nan iterations``."""
     n = max(stats.iterations, 1)
     ms = stats.seconds / n * 1000.0
     tflops = flops_per_iteration / (stats.seconds / n) / world_size / 1e12 if stats.seconds else 0
     loss = stats.loss_sum / stats.loss_count if stats.loss_count else float("nan")
     tokens_per_s = tokens_per_iteration / (stats.seconds / n) if stats.seconds else 0.0
     parts = [
-        f" iteration {iteration:8d}/{train_iters:8d}",
+        f" [{timestamp()}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {ms:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {tflops:.3g}",
-        f"learning rate: {lr:.6E}",
+    ]
+    if log_throughput:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
+    parts.append(f"learning rate: {lr:.6E}")
+    if decoupled_lr is not None:
+        parts.append(f"decoupled learning rate: {decoupled_lr:.6E}")
+    parts += [
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {loss:.6E}",
         f"loss scale: {loss_scale:.1f}",
     ]
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if num_zeros is not None:
+        parts.append(f"num zeros: {num_zeros}")
+    if params_norm is not None:
+        parts.append(f"params norm: {params_norm:.3f}")
     parts += [
         f"number of skipped iterations: {stats.skipped:3d}",
         f"number of nan iterations: {stats.nan:3d}",
@@ -95,29 +115,70 @@ def training_log_line(
     return " | ".join(parts) + " |"
 
 
-def validation_log_line(iteration: int, loss: float) -> str:
-    """Megatron-LM's validation line."""
+def validation_log_line(where, loss: float) -> str:
+    """Megatron-LM's evaluation line; ``where`` is the iteration, or its text
+    (``"iteration 10 on test set"``)."""
     import math
 
     ppl = math.exp(min(20.0, loss))
-    return (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {ppl:.6E} |")
+    return (f" validation loss at {where if isinstance(where, str) else f'iteration {where}'} | "
+            f"lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
 
 
 class TensorBoard:
-    """Optional TensorBoard scalars (only on the last rank, only if tensorboard is installed)."""
+    """TensorBoard scalars under Megatron-LM's series names (last rank only)."""
 
-    def __init__(self, directory: Optional[str]):
+    def __init__(self, directory: Optional[str], args=None):
         self.writer = None
+        self.args = args
         if directory:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                print(f"--tensorboard-dir {directory}: tensorboard is not installed, skipping")
-                return
+            except ImportError as e:
+                raise ValueError(f"--tensorboard-dir {directory}: tensorboard is not importable "
+                                 f"({e}); pip install tensorboard") from e
             self.writer = SummaryWriter(log_dir=directory)
 
-    def scalar(self, name: str, value: float, step: int) -> None:
-        """Add one scalar."""
-        if self.writer is not None:
+    def scalar(self, name: str, value: float, step: int, samples: Optional[int] = None) -> None:
+        """Add one scalar, and its ``<name> vs samples`` twin when ``samples`` is given."""
+        if self.writer is not None and value is not None:
             self.writer.add_scalar(name, value, step)
+            if samples is not None:
+                self.writer.add_scalar(f"{name} vs samples", value, samples)
+
+    def training(self, iteration: int, consumed: int, *, loss: float, lr: float,
+                 batch_size: int, loss_scale: float, grad_norm=None, num_zeros=None,
+                 params_norm=None, world_size: int = 1, seconds=None, throughput=None) -> None:
+        """One iteration's series, as Megatron-LM's training_log writes them."""
+        a = self.args
+        if self.writer is None or (a is not None and iteration % a.tensorboard_log_interval):
+            return
+        self.scalar("learning-rate", lr, iteration, consumed)
+        self.scalar("batch-size", batch_size, iteration, consumed)
+        self.scalar("lm loss", loss, iteration, consumed)
+        if a is None or a.log_loss_scale_to_tensorboard:
+            self.scalar("loss-scale", loss_scale, iteration, consumed)
+        if a is not None and a.log_world_size_to_tensorboard:
+            self.scalar("world-size", world_size, iteration, consumed)
+        self.scalar("grad-norm", grad_norm, iteration, consumed)
+        self.scalar("num-zeros", num_zeros, iteration, consumed)
+        self.scalar("params-norm", params_norm, iteration, consumed)
+        if a is not None and a.log_memory_to_tensorboard:
+            self.scalar("mem-max-allocated-bytes", peak_memory_gb() * 1e9, iteration)
+        if a is not None and a.log_timers_to_tensorboard and seconds is not None:
+            self.scalar("iteration-time", seconds, iteration)
+            if a.log_throughput:
+                self.scalar("throughput", throughput, iteration)
+
+    def validation(self, iteration: int, consumed: int, loss: float) -> None:
+        """Megatron-LM's ``lm loss validation`` (and ``... ppl`` with
+        --log-validation-ppl-to-tensorboard)."""
+        import math
+
+        self.scalar("lm loss validation", loss, iteration, consumed)
+        if self.args is not None and self.args.log_validation_ppl_to_tensorboard:
+            self.scalar("lm loss validation ppl", math.exp(min(20.0, loss)), iteration, consumed)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 import warnings
@@ -15,7 +16,7 @@ from megatron_zeropp.topology import build_topology
 
 from . import checkpoint_checks
 from .arguments import parse_args, print_args
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint, saved_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
 from .gpt_step import eval_step, train_step
 from .logging_utils import (
@@ -25,6 +26,7 @@ from .logging_utils import (
     training_log_line,
     validation_log_line,
 )
+from .megatron_lm_flags import apply_checkpoint_args
 from .model import (
     build_gpt,
     build_optimizer,
@@ -34,6 +36,7 @@ from .model import (
 )
 from .nan_check import check_finite
 from .profiling import IterationProfiler
+from .run_control import BatchRamp, ExitClock, ManualGC, params_norm
 
 
 def _log(*parts) -> None:
@@ -45,6 +48,8 @@ def _log(*parts) -> None:
 def _quiet_known_warnings() -> None:
     # megatron-core reads .grad of its shard views every step; harmless, and it buries the log.
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
+    # One per module and rank otherwise; reported once per job instead (fallbacks.py).
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", category=FutureWarning)
     silence_fallback_warnings()
@@ -66,7 +71,8 @@ def _setup_data(args, tokenizer_args):
     )
     gbs = args.global_batch_size
     evals = args.train_iters // args.eval_interval + 1
-    num_samples = (args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs)
+    train_samples = args.train_samples or args.train_iters * gbs
+    num_samples = (train_samples, evals * args.eval_iters * gbs, args.eval_iters * gbs)
 
     def paths(value):
         return tuple(value) if value is not None else None
@@ -76,7 +82,11 @@ def _setup_data(args, tokenizer_args):
         split=args.split, train_data_path=paths(args.train_data_path),
         valid_data_path=paths(args.valid_data_path), test_data_path=paths(args.test_data_path),
         mock_data=args.mock_data, data_cache_path=args.data_cache_path,
-        create_attention_mask=False,  # causal masks are built inside attention
+        # Causal masks are built inside attention; per-document masks must come with the data.
+        create_attention_mask=args.reset_attention_mask,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, mmap_bin_files=args.mmap_bin_files,
     )
     return tokenizer, build_gpt_datasets(config, tokenizer, num_samples)
 
@@ -93,6 +103,13 @@ def _tokenizer_args(args) -> dict:
     kwargs = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model}
     if args.tokenizer_type == "NullTokenizer":
         kwargs = {"tokenizer_type": "NullTokenizer", "vocab_size": args.vocab_size}
+    elif args.tokenizer_type == "GPT2BPETokenizer":
+        kwargs = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": args.vocab_file,
+                  "merge_file": args.merge_file}
+    elif args.tokenizer_type == "TikTokenizer":
+        kwargs.update(tiktoken_pattern=args.tiktoken_pattern)
+        if args.vocab_size is not None:
+            kwargs["vocab_size"] = args.vocab_size
     return kwargs
 
 
@@ -114,14 +131,16 @@ def _batches(dataset, args, dp_rank, dp_size, consumed, device):
     return _to_device(it, device)
 
 
-def _evaluate(model_chunks, args, valid, dp_group, pp_group, iteration, nmb, device):
+def _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb, device):
+    """Mean LM loss over ``--eval-iters`` global batches of ``dataset`` from batch ``start_batch``
+    (None without a dataset)."""
     from megatron.core import parallel_state as ps
 
-    if valid is None:
+    if dataset is None:
         return None
     dp = ps.get_data_parallel_world_size()
-    start = (iteration // args.eval_interval - 1) * args.eval_iters * args.global_batch_size
-    it = _batches(valid, args, ps.get_data_parallel_rank(), dp, max(start, 0), device)
+    start = start_batch * args.eval_iters * args.global_batch_size
+    it = _batches(dataset, args, ps.get_data_parallel_rank(), dp, max(start, 0), device)
     for chunk in model_chunks:
         chunk.eval()
     losses = [eval_step(model_chunks, it, nmb, args.seq_length, args.micro_batch_size,
@@ -131,20 +150,40 @@ def _evaluate(model_chunks, args, valid, dp_group, pp_group, iteration, nmb, dev
     return sum(losses) / len(losses)
 
 
+def _load(args, load_iteration, chunks, optimizer, scheduler):
+    """(iteration, consumed samples) after --load (0, 0 without one, or with --finetune)."""
+    if load_iteration is None:
+        return 0, 0
+    finetune = args.finetune
+    iteration, consumed = load_checkpoint(
+        args.load, chunks, optimizer, scheduler, load_iteration,
+        load_optim=not (args.no_load_optim or finetune),
+        load_rng=not (args.no_load_rng or finetune),
+        override_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler)
+    _log(f"> loaded checkpoint of iteration {iteration} from {args.load}"
+         + (" (--finetune: weights only, starting at iteration 0)" if finetune else ""))
+    return (0, 0) if finetune else (iteration, consumed)
+
+
 def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] = None) -> dict:
     """Run pretraining; returns per-iteration losses, grad norms and skips (for tests/tools).
 
     ``on_iteration(iteration, model_chunks, optimizer)``, if given, is called after a checkpoint
     load and after every iteration (before that iteration's checkpoint is saved).
     """
+    start_time = time.time()
+    _quiet_known_warnings()  # before megatron-core's first import, which warns per module
     from megatron.core import parallel_state as ps
 
-    _quiet_known_warnings()
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
+    if args.use_checkpoint_args:
+        apply_checkpoint_args(args, saved_args(args.load, args.ckpt_step))
     load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional)
-    checkpoint_checks.check_save_target(args.save, load_iteration or 0,
-                                        args.overwrite_checkpoints)
+    # --finetune starts counting at 0 again: a save target holding later iterations is refused.
+    checkpoint_checks.check_save_target(
+        args.save, 0 if args.finetune else (load_iteration or 0), args.overwrite_checkpoints)
     tokenizer_args = _tokenizer_args(args)
     _check_data_files(args, tokenizer_args)
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
@@ -154,7 +193,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
-    tokenizer, (train_ds, valid_ds, _) = _setup_data(args, tokenizer_args)
+    tokenizer, (train_ds, valid_ds, test_ds) = _setup_data(args, tokenizer_args)
     if load_iteration is not None:
         checkpoint_checks.check_model_config(args.load, load_iteration,
                                              checkpoint_checks.model_config(args))
@@ -171,27 +210,27 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     if rank == 0 and hasattr(model, "zeropp"):
         print(f"> data-parallel layer: {model.zeropp.describe()}, {len(model.units)} units",
               flush=True)
-    iteration, consumed = 0, 0
-    if load_iteration is not None:
-        iteration, consumed = load_checkpoint(
-            args.load, chunks, optimizer, scheduler, load_iteration,
-            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-            override_scheduler=args.override_opt_param_scheduler,
-            use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler)
-        _log(f"> loaded checkpoint of iteration {iteration} from {args.load}")
-        if on_iteration is not None:
-            on_iteration(iteration, chunks, optimizer)
+    iteration, consumed = _load(args, load_iteration, chunks, optimizer, scheduler)
+    if on_iteration is not None and iteration:
+        on_iteration(iteration, chunks, optimizer)
     dp_group = ps.get_data_parallel_group(with_context_parallel=True)
     pp_group = ps.get_pipeline_model_parallel_group()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     nmb = args.global_batch_size // (args.micro_batch_size * dp_size)
+    ramp = BatchRamp(args, dp_size)
     device = default_device()
-    train_it = _batches(train_ds, args, dp_rank, dp_size, consumed, device)
-    tokens = args.global_batch_size * args.seq_length
-    flops = num_floating_point_operations(args, tokens)
-    board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None)
-    history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": []}
+    # One data-parallel step (mbs x DP samples) per "global batch": a ramped global batch is then
+    # just more such steps, in the same sample order as a constant one.
+    train_it = _batches(train_ds, argparse.Namespace(
+        global_batch_size=ramp.per_step, micro_batch_size=args.micro_batch_size),
+        dp_rank, dp_size, consumed, device)
+    board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None, args)
+    history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
+               "final_val_loss": [], "test_loss": []}
     stats = IntervalStats()
+    collector = ManualGC(args)
+    clock = ExitClock(args.exit_duration_in_mins, start_time)
+    evals_done = iteration // args.eval_interval
     if hasattr(model, "comm_counts"):
         model.comm_counts(reset=True)
     profiler = IterationProfiler(args, rank)
@@ -199,20 +238,24 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         profiler.before_iteration(iteration)
         if hasattr(model, "set_training_progress"):
             model.set_training_progress(iteration, args.train_iters)
+        batch = ramp.global_batch(consumed)
         start = time.perf_counter()
-        result = train_step(chunks, optimizer, train_it, nmb, args.seq_length,
+        result = train_step(chunks, optimizer, train_it, batch // ramp.per_step, args.seq_length,
                             args.micro_batch_size, dp_group, pp_group)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        stats.seconds += time.perf_counter() - start
+            if args.empty_unused_memory_level >= 1:
+                torch.cuda.empty_cache()
+        seconds = time.perf_counter() - start
+        stats.seconds += seconds
         if not result.skipped:
-            scheduler.step(increment=args.global_batch_size)
+            scheduler.step(increment=batch)
         iteration += 1
         profiler.after_iteration(iteration)
         if args.check_for_nan_in_loss_and_grad:
             check_finite(iteration, result.loss, result.grad_norm, result.skipped,
                          dynamic_loss_scale=args.fp16 and args.loss_scale is None)
-        consumed += args.global_batch_size
+        consumed += batch
         stats.iterations += 1
         stats.skipped += int(result.skipped)
         if result.loss == result.loss:
@@ -230,32 +273,78 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
                            ("skipped", result.skipped)):
             history[key].append(value)
         history["iterations"].append(iteration)
-        board.scalar("lm loss", result.loss, iteration)
+        tokens = batch * args.seq_length
+        flops = num_floating_point_operations(args, tokens)
+        norm = params_norm(chunks, optimizer) if args.log_params_norm else None
+        lr = optimizer.param_groups[0]["lr"]
+        loss_scale = optimizer.get_loss_scale().item()
+        board.training(iteration, consumed, loss=result.loss, lr=lr, batch_size=batch,
+                       loss_scale=loss_scale, grad_norm=result.grad_norm,
+                       num_zeros=result.num_zeros, params_norm=norm, world_size=world,
+                       seconds=seconds, throughput=flops / seconds / world / 1e12)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            lr = optimizer.param_groups[0]["lr"]
-            _log(training_log_line(iteration, args.train_iters, consumed, stats, lr,
-                                   args.global_batch_size, optimizer.get_loss_scale().item(),
-                                   result.grad_norm, flops, world, tokens))
+            _log(training_log_line(iteration, args.train_iters, consumed, stats, lr, batch,
+                                   loss_scale, result.grad_norm, flops, world, tokens,
+                                   log_throughput=args.log_throughput,
+                                   num_zeros=result.num_zeros, params_norm=norm,
+                                   decoupled_lr=_decoupled_lr(args, optimizer)))
             stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
-            val = _evaluate(chunks, args, valid_ds, dp_group, pp_group, iteration, nmb, device)
+            collector.eval_boundary()
+            val = _evaluate(chunks, args, valid_ds, dp_group, pp_group, evals_done, nmb, device)
+            evals_done += 1
+            collector.eval_boundary()
             if hasattr(model, "comm_counts"):
                 model.comm_counts(reset=True)  # evaluation traffic is not training traffic
             if val is not None:
                 history["val_loss"].append((iteration, val))
-                board.scalar("validation lm loss", val, iteration)
+                board.validation(iteration, consumed, val)
                 _log(validation_log_line(iteration, val))
+        collector.after_step(iteration)
         if on_iteration is not None:
             on_iteration(iteration, chunks, optimizer)
         last = iteration == args.train_iters
         exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
+        timed_out = clock.expired(device)
         if args.save and ((args.save_interval and iteration % args.save_interval == 0)
-                          or last or exiting):
+                          or last or exiting or timed_out):
             save_checkpoint(args.save, iteration, consumed, chunks, optimizer, scheduler,
                             extra={"args": vars(args)}, overwrite=args.overwrite_checkpoints,
-                            model_config=checkpoint_checks.model_config(args))
+                            model_config=checkpoint_checks.model_config(args),
+                            save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
             _log(f"> saved checkpoint of iteration {iteration} to {args.save}")
+        if timed_out:
+            _log(f"> exiting program after {clock.elapsed_minutes():.2f} minutes "
+                 f"(--exit-duration-in-mins {args.exit_duration_in_mins})")
+            break
         if exiting:
             break
+    else:
+        _final_evaluation(args, chunks, valid_ds, test_ds, dp_group, pp_group, evals_done, nmb,
+                          device, iteration, consumed, board, history)
     profiler.close()
+    collector.stop()
+    board.flush()
     return history
+
+
+def _decoupled_lr(args, optimizer):
+    if args.decoupled_lr is None:
+        return None
+    rates = [g["lr"] for g in optimizer.param_groups if g.get("max_lr") == args.decoupled_lr]
+    return rates[0] if rates else None
+
+
+def _final_evaluation(args, chunks, valid_ds, test_ds, dp_group, pp_group, evals_done, nmb,
+                      device, iteration, consumed, board, history) -> None:
+    """Megatron-LM's closing evaluation: validation, then test, each over --eval-iters batches."""
+    if args.eval_iters <= 0:
+        return
+    for name, dataset, start in (("validation", valid_ds, evals_done), ("test", test_ds, 0)):
+        loss = _evaluate(chunks, args, dataset, dp_group, pp_group, start, nmb, device)
+        if loss is None:
+            continue
+        history["final_val_loss" if name == "validation" else "test_loss"].append(
+            (iteration, loss))
+        board.validation(iteration, consumed, loss)  # Megatron-LM uses one series for both
+        _log(validation_log_line(f"iteration {iteration} on {name} set", loss))

@@ -7,6 +7,8 @@ import importlib.util
 import torch
 
 from .arguments import params_dtype, zeropp_config
+from .builders import adam_config, gpt_model, gpt_transformer_config, wire_schedule_hooks
+from .megatron_lm_flags import lr_schedule_steps
 
 
 def use_transformer_engine(args) -> bool:
@@ -21,82 +23,53 @@ def use_transformer_engine(args) -> bool:
 
 def transformer_config(args):
     """megatron-core TransformerConfig from the model/parallel/precision flags."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
 
-    dtype = params_dtype(args)
-    on_cpu = not torch.cuda.is_available()
-    kwargs = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
+    return gpt_transformer_config(
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        cp=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        dtype=params_dtype(args),
+        swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
         add_bias_linear=not args.disable_bias_linear,
         attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        use_cpu_initialization=on_cpu,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=not on_cpu,
-        # megatron-core's fused softmax needs apex's compiled extension; torch softmax otherwise.
-        masked_softmax_fusion=not on_cpu
-        and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
-        bias_activation_fusion=not on_cpu and not args.swiglu,
-        apply_rope_fusion=False,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        kv_channels=args.kv_channels,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        # Megatron-LM copies its flag (default off) over TransformerConfig's default (on).
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=AttnBackend[args.attention_backend],
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
-    if args.swiglu:
-        import torch.nn.functional as F
-
-        kwargs["activation_func"] = F.silu
-    return TransformerConfig(**kwargs)
 
 
 def build_gpt(args, config, vocab_size: int):
     """This pipeline stage's GPTModel (Float16Module-wrapped for bf16/fp16), on the device."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
-    if use_transformer_engine(args):
-        spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+    return gpt_model(
+        config,
+        vocab_size,
+        args.max_position_embeddings,
+        transformer_engine=use_transformer_engine(args),
+        normalization=args.normalization,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    if args.bf16 or args.fp16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)
-    return model
 
 
 def ddp_config(args):
@@ -115,7 +88,7 @@ def ddp_config(args):
 
 def wrap_data_parallel(args, config, model, topology, process_groups=None):
     """Our ZeRO++ layer, or megatron-core's DDP with ``--data-parallel-impl megatron``."""
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel
 
     if args.data_parallel_impl == "megatron":
         wrapped = DistributedDataParallel(config, ddp_config(args), model)
@@ -125,35 +98,29 @@ def wrap_data_parallel(args, config, model, topology, process_groups=None):
         wrapped = ZeroPPDataParallel(
             config, ddp_config(args), model, topology, zeropp_config(args), process_groups
         )
-    config.no_sync_func = wrapped.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    wire_schedule_hooks(config, wrapped)
     return wrapped
 
 
 def optimizer_config(args):
     """megatron-core OptimizerConfig (Adam through the distributed optimizer)."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    loss_scale = args.loss_scale
-    if args.bf16 and loss_scale is None:
-        # bf16 needs no scaling, but a constant scale of 1 makes megatron-core check gradients for
-        # Inf/NaN and skip the step, which a quantized reduction must never hide.
-        loss_scale = 1.0
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=args.lr,
+    return adam_config(
+        args.lr,
+        dtype=params_dtype(args),
+        loss_scale=args.loss_scale,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=params_dtype(args),
-        loss_scale=loss_scale,
         initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=True,
+        hysteresis=args.hysteresis,
+        loss_scale_window=args.loss_scale_window,
+        min_loss_scale=args.min_loss_scale,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 
@@ -169,37 +136,38 @@ def build_optimizer(args, model_chunks):
         from megatron_zeropp.optimizer import get_zeropp_optimizer
 
         optimizer = get_zeropp_optimizer(cfg, model_chunks)
-    gbs = args.global_batch_size
+    from megatron.core.utils import get_model_config
+
+    # After the optimizer exists, as Megatron-LM's train() does: fp16 needs the loss scaled.
+    wire_schedule_hooks(get_model_config(model_chunks[0]), model_chunks[0], optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
+        **lr_schedule_steps(args),
     )
     return optimizer, scheduler
 
 
 def num_floating_point_operations(args, tokens: int) -> float:
-    """Model FLOPs of one training iteration over ``tokens`` tokens (forward + backward = 3x).
+    """Model FLOPs of one training iteration over ``tokens`` tokens, by Megatron-LM's formula.
 
-    Matrix products: 2 FLOPs per multiply-add per token over every weight matrix (QKV, projection,
-    MLP, logits); attention scores and values: 2 x 2 x seq x hidden per layer and token (causal
-    masking not discounted, like Megatron-LM's report).
+    3 GEMMs per weight (forward, weight grad, data grad) x 2 FLOPs per multiply-add, per token:
+    QKV (query and key/value projections of ``kv_channels`` per head, GQA-aware), attention
+    scores and values (seq x query size each, halved for the causal mask, as Megatron-LM does),
+    output projection, MLP (2 or, with SwiGLU, 3 GEMMs of hidden x ffn) and the logits.
     """
     h, L, s = args.hidden_size, args.num_layers, args.seq_length
     heads = args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
-    kv = h * groups // heads
-    ffn = args.ffn_hidden_size
-    per_layer = h * (h + 2 * kv) + h * h + h * ffn * (2 if args.swiglu else 1) + ffn * h
+    kv_channels = getattr(args, "kv_channels", None) or h // heads
+    q, kv = kv_channels * heads, kv_channels * groups
+    ffn = args.ffn_hidden_size * (3 if args.swiglu else 2)
+    attention = h * (q + 2 * kv) + q * s / 2 * 2 + q * h
     vocab = getattr(args, "padded_vocab_size", 0) or 0
-    matmul = 2 * tokens * (L * per_layer + h * vocab)
-    attention = 2 * 2 * tokens * s * h * L
-    return 3.0 * (matmul + attention)
+    return 3 * 2 * tokens * (L * (h * ffn + attention) + h * vocab)

@@ -1,0 +1,160 @@
+"""The one place that turns plain values into megatron-core's GPT objects.
+
+Training (``training/model.py`` maps the command line onto these), the tests' tiny GPT and the
+benchmark workload all build their TransformerConfig, GPTModel, OptimizerConfig and schedule hooks
+here, so a setting the CPU runs depend on (no fused kernels without their extensions, CPU
+initialisation without CUDA) cannot drift between them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+
+def gpt_transformer_config(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    swiglu: bool = False,
+    **overrides,
+):
+    """megatron-core TransformerConfig for a GPT of this shape, parallel layout and dtype.
+
+    ``dtype`` sets params/pipeline dtype and the bf16/fp16 switches. Fused kernels stay off
+    unless CUDA (and, for the masked softmax, apex's extension) can run them. ``overrides`` are
+    any other TransformerConfig fields; they win over everything above.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=not on_cpu,
+        # megatron-core's fused softmax needs apex's compiled extension; torch softmax otherwise.
+        masked_softmax_fusion=not on_cpu
+        and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
+        bias_activation_fusion=not on_cpu and not swiglu,
+        apply_rope_fusion=False,
+        gated_linear_unit=swiglu,
+    )
+    if swiglu:
+        import torch.nn.functional as F
+
+        kwargs["activation_func"] = F.silu
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def gpt_model(
+    config,
+    vocab_size: int,
+    max_sequence_length: int,
+    *,
+    transformer_engine: bool = False,
+    normalization: str = "LayerNorm",
+    **gpt_kwargs,
+):
+    """This pipeline stage's GPTModel, on the current device, Float16Module-wrapped for bf16/fp16.
+
+    ``gpt_kwargs`` go to GPTModel (position embedding type, rotary settings, tied embeddings).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if transformer_engine:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=normalization)
+        if config.layernorm_zero_centered_gamma:
+            from .zero_centered_norm import zero_centered_layer_spec
+
+            spec = zero_centered_layer_spec(spec, config)
+    gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
+    gpt_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        **gpt_kwargs,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+def adam_config(
+    lr: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    loss_scale: Optional[float] = None,
+    **overrides,
+):
+    """megatron-core OptimizerConfig: Adam through the distributed optimizer.
+
+    bf16 without an explicit ``loss_scale`` gets a constant scale of 1: bf16 needs no scaling,
+    but a scaler makes megatron-core check gradients for Inf/NaN and skip the step, which a
+    quantized reduction must never hide. fp16 without one gets megatron-core's dynamic scaler.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    bf16, fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    if bf16 and loss_scale is None:
+        loss_scale = 1.0
+    kwargs = dict(
+        optimizer="adam",
+        lr=lr,
+        bf16=bf16,
+        fp16=fp16,
+        params_dtype=dtype,
+        loss_scale=loss_scale,
+        use_distributed_optimizer=True,
+    )
+    kwargs.update(overrides)
+    return OptimizerConfig(**kwargs)
+
+
+def wire_schedule_hooks(config, wrapped, optimizer=None) -> None:
+    """The hooks megatron-core's schedules call, set as Megatron-LM's training.py sets them.
+
+    ``grad_scale_func`` multiplies each micro-batch's loss by the optimizer's loss scale before
+    backward; without it an fp16 optimizer unscales gradients that were never scaled (2^-32 of
+    their value under the default dynamic scale) and training stalls. Pass the optimizer once it
+    exists (it is built after the data-parallel wrapper).
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    config.no_sync_func = wrapped.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if optimizer is not None:
+        config.grad_scale_func = optimizer.scale_loss

@@ -1,0 +1,123 @@
+"""What Megatron-LM's training loop does between steps, besides the step itself: manual garbage
+collection (--manual-gc), the wall-clock limit (--exit-duration-in-mins), the parameter norm
+(--log-params-norm), the batch-size ramp-up (--rampup-batch-size) and the final evaluation."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from .megatron_lm_flags import batch_size_schedule
+
+
+class ManualGC:
+    """Python's collector off during training, run every ``--manual-gc-interval`` iterations and
+    around evaluation, so no rank stalls in a collection at a random step (Megatron-LM's
+    ``--manual-gc``)."""
+
+    def __init__(self, args):
+        self.enabled = args.manual_gc
+        self.interval = args.manual_gc_interval
+        self.around_eval = args.manual_gc_eval
+        if self.enabled:
+            gc.disable()
+            gc.collect()
+
+    def after_step(self, iteration: int) -> None:
+        """Collect when the interval says so."""
+        if self.enabled and self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    def eval_boundary(self) -> None:
+        """Collect before and after an evaluation (unless --no-manual-gc-eval)."""
+        if self.enabled and self.around_eval:
+            gc.collect()
+
+    def stop(self) -> None:
+        """Give the collector back (pretrain may be called again in the same process)."""
+        if self.enabled:
+            gc.enable()
+
+
+class ExitClock:
+    """--exit-duration-in-mins: every rank agrees (MAX over the world) that time is up."""
+
+    def __init__(self, minutes, start: float):
+        self.minutes = minutes
+        self.start = start
+
+    def elapsed_minutes(self) -> float:
+        return (time.time() - self.start) / 60.0
+
+    def expired(self, device) -> bool:
+        """Collective when a limit is set (every rank calls it every iteration)."""
+        if self.minutes is None:
+            return False
+        done = torch.tensor([int(self.elapsed_minutes() > self.minutes)], device=device)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        return bool(done.item())
+
+
+class BatchRamp:
+    """The global batch size and micro-batches per rank for the next iteration."""
+
+    def __init__(self, args, dp_size: int):
+        self.size = batch_size_schedule(args, dp_size)
+        self.per_step = args.micro_batch_size * dp_size
+
+    def global_batch(self, consumed_samples: int) -> int:
+        return self.size(consumed_samples)
+
+    def microbatches(self, consumed_samples: int) -> int:
+        return self.global_batch(consumed_samples) // self.per_step
+
+
+def params_norm(model_chunks, optimizer) -> float:
+    """L2 norm of the fp32 main weights over the whole model (Megatron-LM's params norm).
+
+    Each rank sums its distributed-optimizer shard; TP-duplicated parameters (norms, biases
+    replicated across TP ranks) and the tied output copy count once; one all-reduce adds the rest.
+    """
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    from megatron_zeropp.optimizer import distributed_optimizers
+
+    total = None
+    for opt in distributed_optimizers(optimizer):
+        for mains, models in ((opt.shard_fp32_from_float16_groups, opt.model_float16_groups),
+                              (opt.shard_fp32_groups, opt.model_fp32_groups)):
+            for main_group, model_group in zip(mains, models):
+                for main, p in zip(main_group, model_group):
+                    if not param_is_not_tensor_parallel_duplicate(p) or getattr(p, "shared",
+                                                                                False):
+                        continue
+                    sq = main.detach().float().pow(2).sum()
+                    total = sq if total is None else total + sq
+    if total is None:
+        from megatron_zeropp.backend import default_device
+
+        total = torch.zeros((), device=default_device())
+    total = total.reshape(1)
+    dist.all_reduce(total)
+    return math.sqrt(float(total.item()))
+
+
+class NsysRange:
+    """--profile: bracket iterations [--profile-step-start, --profile-step-end) with the CUDA
+    profiler API, which ``nsys profile --capture-range=cudaProfilerApi`` records (Megatron-LM's
+    default profiler). Without CUDA there is nothing for nsys to capture and it does nothing."""
+
+    def __init__(self, args):
+        self.enabled = args.profile and torch.cuda.is_available()
+        self.start, self.end = args.profile_step_start, args.profile_step_end
+
+    def before_step(self, iteration: int) -> None:
+        """``iteration`` is the number of the step about to run, counted from 0 like Megatron."""
+        if self.enabled and iteration == self.start:
+            torch.cuda.profiler.start()
+        if self.enabled and iteration == self.end:
+            torch.cuda.profiler.stop()
