@@ -94,7 +94,7 @@ def test_namespace_commands_per_gpu_count(gpus, split, monkeypatch):
         # pretrain_gpt.py: DP = all GPUs, 8 micro-batches of 4 per rank, two nodes of G.
         assert _flag(cmd, "--global-batch-size") == str(8 * 4 * gpus)
         assert _flag(cmd, "--ranks-per-node") == str(gpus // 2)
-        assert cmd[-3:] == ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
+        assert cmd[-4:] == ["--overlap-grad-reduce", "--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 
 
 def test_namespace_env_keeps_an_existing_library_path_and_intra_p2p(monkeypatch):
