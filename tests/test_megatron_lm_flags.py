@@ -178,7 +178,7 @@ def test_missing_te_and_apex_are_reported_once_per_job(tmp_path):
     if importlib.util.find_spec("transformer_engine") and importlib.util.find_spec("apex"):
         pytest.skip("both installed: nothing to report")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(root, "pretrain_gpt.py"), *BASE, "--train-iters", "1",
            "--eval-iters", "0", "--data-cache-path", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
