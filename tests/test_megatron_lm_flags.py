@@ -178,7 +178,7 @@ def test_missing_te_and_apex_are_reported_once_per_job(tmp_path):
     if importlib.util.find_spec("transformer_engine") and importlib.util.find_spec("apex"):
         pytest.skip("both installed: nothing to report")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(root, "pretrain_gpt.py"), *BASE, "--train-iters", "1",
            "--eval-iters", "0", "--data-cache-path", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -205,3 +205,38 @@ def test_zero_centered_norm_scales_by_one_plus_weight(normalization):
     scaled = (F.layer_norm(x, (8,), 1 + norm.weight, norm.bias, 1e-5)
               if normalization == "LayerNorm" else F.rms_norm(x, (8,), 1 + norm.weight, 1e-5))
     assert torch.equal(norm(x), scaled) and not torch.equal(scaled, plain)
+
+
+def test_tensorboard_series_follow_the_flags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_zeropp.training.logging_utils import TensorBoard
+
+    def series(extra):
+        directory = tmp_path / "-".join(extra or ["plain"])
+        args = parse_args(BASE + ["--train-iters", "4", "--tensorboard-dir", str(directory),
+                                  *extra], world_size=1)
+        board = TensorBoard(str(directory), args)
+        for it in (1, 2):
+            board.training(it, 8 * it, loss=5.0, lr=1e-3, batch_size=8, loss_scale=1.0,
+                           grad_norm=0.5, world_size=1, seconds=0.25, throughput=1.5)
+        board.validation(2, 16, 4.0)
+        board.flush()
+        acc = EventAccumulator(str(directory))
+        acc.Reload()
+        return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    plain = series([])
+    assert plain["lm loss"] == [5.0, 5.0] and plain["lm loss vs samples"] == [5.0, 5.0]
+    assert plain["loss-scale"] == [1.0, 1.0] and plain["lm loss validation"] == [4.0]
+    assert not {"iteration-time", "throughput", "lm loss validation ppl", "world-size",
+                "mem-max-allocated-bytes", "num-zeros", "params-norm"} & set(plain)
+    full = series(["--log-timers-to-tensorboard", "--log-throughput",
+                   "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
+                   "--log-memory-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
+                   "--tensorboard-log-interval", "2"])
+    assert full["lm loss"] == [5.0]  # iteration 2 only
+    assert full["iteration-time"] == [0.25] and full["throughput"] == [1.5]
+    assert full["lm loss validation ppl"] == [pytest.approx(54.59815, rel=1e-6)]
+    assert full["world-size"] == [1.0] and "mem-max-allocated-bytes" in full
+    assert "loss-scale" not in full
