@@ -35,8 +35,8 @@ def _hook():
 
             clean = gpt_step.loss_func
 
-            def nan_loss(loss_mask, output_tensor):
-                loss, report = clean(loss_mask, output_tensor)
+            def nan_loss(loss_mask, output_tensor, **kwargs):
+                loss, report = clean(loss_mask, output_tensor, **kwargs)
                 return loss * float("nan"), {"lm loss": report["lm loss"] * float("nan")}
             gpt_step.loss_func = nan_loss
     return on_iteration

@@ -48,6 +48,11 @@ def test_load_that_names_no_checkpoint_fails(tmp_path, case, message):
 
 def test_load_optional_starts_fresh_only_when_empty(tmp_path):
     assert cc.resolve_load(str(tmp_path / "new"), None, True) is None
+    # Megatron-LM's --load $CKPT --save $CKPT: the first run of that directory starts fresh...
+    assert cc.resolve_load(str(tmp_path / "new"), None, False, str(tmp_path / "new")) is None
+    # ...a --load elsewhere that names nothing is still an error
+    with pytest.raises(StartupError, match="--load-optional"):
+        cc.resolve_load(str(tmp_path / "new"), None, False, str(tmp_path / "other"))
     with pytest.raises(StartupError, match="--ckpt-step 5"):
         cc.resolve_load(str(tmp_path / "new"), 5, True)  # an explicit step must exist
 

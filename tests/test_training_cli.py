@@ -26,7 +26,7 @@ SUPPORTED_FLAGS = sorted("""
 --weight-decay
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
 --zeropp-qgz-block-size --zeropp-qgz-fraction --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
---zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-unit
+--zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-shard-grads --zeropp-unit
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""

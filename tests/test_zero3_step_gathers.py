@@ -230,7 +230,7 @@ def _log_bytes(ctx, nmb):
         pretrain(argv)
     fields = {}
     for line in buf.getvalue().splitlines():
-        if line.startswith(" iteration"):
+        if " iteration " in line and "|" in line:  # Megatron-LM's "[timestamp] iteration ..."
             for part in line.split("|"):
                 if "inter-node bytes per iteration" in part:
                     key, value = part.rsplit(":", 1)

@@ -52,8 +52,15 @@ def latest_iteration(root: str) -> Optional[int]:
     return int(text)
 
 
-def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool) -> Optional[int]:
-    """The iteration to load, or None to start from scratch; raises when ``load`` names nothing."""
+def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
+                 save: Optional[str] = None) -> Optional[int]:
+    """The iteration to load, or None to start from scratch; raises when ``load`` names nothing.
+
+    An empty ``load`` that is also the ``save`` directory starts from scratch, as in Megatron-LM's
+    launch scripts (``--load $CKPT --save $CKPT``): it is the first run of that directory, and a
+    typo there cannot overwrite anything. An empty ``load`` elsewhere is an error unless
+    ``optional`` (``--load-optional``).
+    """
     if load is None:
         if ckpt_step is not None:
             raise StartupError(f"--ckpt-step {ckpt_step} needs --load")
@@ -66,7 +73,7 @@ def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool) 
         return ckpt_step
     latest = latest_iteration(load)
     if latest is None:
-        if optional:
+        if optional or (save is not None and os.path.abspath(save) == os.path.abspath(load)):
             return None
         what = "does not exist" if not os.path.exists(load) else f"has no {_LATEST}"
         raise StartupError(f"--load {load} {what}: no checkpoint to resume from (pass "
