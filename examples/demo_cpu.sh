@@ -2,7 +2,8 @@
 # One-command CPU demo: install, build the embedded sample corpus + tokenizer (text that ships with
 # Python itself, no download), and train a small GPT on 4 CPU processes simulating 2 nodes x 2
 # ranks with qwZ + hpZ + qgZ. Prints Megatron-style log lines with loss and bytes per protocol.
-# A few minutes on 2 cores.
+# A few minutes on 2 cores. Re-running it starts over and replaces the demo's own checkpoints
+# (--overwrite-checkpoints; without it a save target holding later iterations is refused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d .venv ] || python3 -m venv .venv
@@ -16,5 +17,5 @@ torchrun --standalone --nproc-per-node 4 pretrain_gpt.py \
     --micro-batch-size 2 --global-batch-size 16 \
     --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 5 --lr-decay-style cosine --train-iters 60 \
     --log-interval 10 --eval-interval 30 --eval-iters 4 \
-    --save runs/demo_ckpt --save-interval 30 \
+    --save runs/demo_ckpt --save-interval 30 --overwrite-checkpoints \
     --zeropp-qwz --zeropp-hpz --zeropp-qgz "$@"
