@@ -284,3 +284,42 @@ def test_sharded_gradients_under_tp_sp_and_pp():
     assert sharded[0][0] == full[0][0]
     assert close(sharded, full), (sharded, full)
     assert not close(broken, full), (broken, full)
+
+
+# -- the optimizer is built from the primary shards ----------------------------------------------
+def _gathers_during_optimizer_construction(ctx):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from tiny_gpt import build_model, optimizer_config, setup_megatron, tiny_config
+
+    from megatron_zeropp.optimizer import get_zeropp_optimizer
+    from megatron_zeropp.sharding import ZeroPPDataParallel
+    from megatron_zeropp.sharding.unit import ShardedUnit
+
+    setup_megatron(1, 1)
+    config = tiny_config(1, 1)
+    wrapped = ZeroPPDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), build_model(config), ctx.topology(1, 1),
+        ZeroPPConfig(hpz=True))
+    started = []
+    start = ShardedUnit.start_gather
+    ShardedUnit.start_gather = lambda self, *a, **k: (started.append(self.name),
+                                                      start(self, *a, **k))[1]
+    optimizer = get_zeropp_optimizer(optimizer_config(), [wrapped])
+    ShardedUnit.start_gather = start
+    # Its fp32 main params are this rank's primary shards, converted.
+    from megatron_zeropp.optimizer import distributed_optimizers
+
+    opts = list(distributed_optimizers(optimizer))
+    mains = [m for opt in opts for g in opt.shard_fp32_groups for m in g]
+    primaries = [p.zeropp_primary for p in wrapped.params_with_grad]
+    same = bool(mains) and all(any(m.data_ptr() == v.data_ptr() for v in primaries if v.numel())
+                               for m in mains if m.numel())
+    return started, wrapped.memory_bytes()["gathered"], [type(o).__name__ for o in opts], same
+
+
+def test_the_optimizer_is_built_without_gathering_a_weight():
+    for started, gathered, name, same in run_distributed(_gathers_during_optimizer_construction,
+                                                         2, 2):
+        assert started == [] and gathered == 0
+        assert set(name) == {"ZeroPPDistributedOptimizer"}
+        assert same  # fp32 model: Adam updates the primary shard in place

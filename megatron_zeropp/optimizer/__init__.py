@@ -1,14 +1,12 @@
 """What ZeRO-3 needs on top of megatron-core's DistributedOptimizer (nothing else lives here)."""
 
 from .zero3 import (
-    attach_to_primary_shards,
     distributed_optimizers,
     get_zeropp_optimizer,
     reload_model_params,
 )
 
 __all__ = [
-    "attach_to_primary_shards",
     "distributed_optimizers",
     "get_zeropp_optimizer",
     "reload_model_params",

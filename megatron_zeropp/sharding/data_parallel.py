@@ -146,6 +146,10 @@ class ZeroPPDataParallel(_BaseDataParallel):
             buffers = build_unit_buffers(spec, ddp_config, groups.dp, scale, names, pgc)
             self.units.append(ShardedUnit(spec.name, spec.root, buffers, self.comm))
         self.param_to_unit = {p: u for u in self.units for p in u.params}
+        for unit in self.units:
+            # What the optimizer reads and writes instead of the (transient) full parameter.
+            for p, view in unit.chunk_views(unit.shards).items():
+                p.zeropp_primary = view
         # One megatron-core-shaped buffer per dtype for the optimizer, units in reverse order
         # (megatron-core's buffers start from the end of the model too).
         parts: Dict[tuple, list] = {}

@@ -175,7 +175,7 @@ class ShardedUnit:
             ]
             self._grad_nbytes = [buf.grad_data.untyped_storage().nbytes() for buf in buffers]
             self._full_main_grads = {p: p.main_grad for p in self.params}
-            self._shard_main_grads = self._shard_views()
+            self._shard_main_grads = self.chunk_views(self.grad_shards)
             self._free_grads()
         self.state = UnitState.GATHERED
         self.version: Optional[int] = None  # weight version of the gathered data
@@ -313,24 +313,21 @@ class ShardedUnit:
         return True
 
     # -- sharded gradients ------------------------------------------------------------------
-    def _shard_views(self) -> Dict[torch.nn.Parameter, torch.Tensor]:
-        """Each parameter's part of chunk r of its bucket, as a 1-D view of the grad shard
-        (empty when the parameter lies outside chunk r)."""
+    def chunk_views(self, chunks: List[torch.Tensor]) -> Dict[torch.nn.Parameter, torch.Tensor]:
+        """Each parameter's part of chunk r of its bucket, as a 1-D view of ``chunks[k]`` (this
+        rank's chunk of bucket k: the primary shards or the fp32 gradient shards); empty when
+        the parameter lies outside chunk r. The same range megatron-core's distributed
+        optimizer gives the parameter (``gbuf_world_in_bucket``)."""
         views = {}
         for buf in self.buffers:
             for p, (start, end, bucket_id) in buf.param_index_map.items():
                 bucket = buf.buckets[bucket_id]
-                k = self.buckets.index(bucket)
-                shard = self.grad_shards[k]
-                c = shard.numel()
+                chunk = chunks[self.buckets.index(bucket)]
+                c = chunk.numel()
                 lo_chunk = bucket.offset + self.comm.dp_rank * c
                 lo, hi = max(start, lo_chunk), min(end, lo_chunk + c)
-                views[p] = shard[lo - lo_chunk : max(lo, hi) - lo_chunk]
+                views[p] = chunk[lo - lo_chunk : max(lo, hi) - lo_chunk]
         return views
-
-    def grad_shard_view(self, param) -> torch.Tensor:
-        """``param``'s slice of this rank's fp32 gradient shard (``shard_grads`` only)."""
-        return self._shard_main_grads[param]
 
     def _alloc_grads(self) -> None:
         self.finish_grad_reduce()  # the previous micro-batch's reduction read these buffers
