@@ -22,7 +22,8 @@ SUPPORTED_FLAGS = sorted("""
 --no-check-for-nan-in-loss-and-grad --seed --seq-length --sequence-parallel --split --swiglu
 --tensor-model-parallel-size --tensorboard-dir --test-data-path --tokenizer-model
 --tokenizer-type --train-data-path --train-iters --transformer-impl
---untie-embeddings-and-output-weights --use-pytorch-profiler --valid-data-path --vocab-size
+--untie-embeddings-and-output-weights --use-cpu-initialization --use-pytorch-profiler
+--valid-data-path --vocab-size
 --weight-decay
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
 --zeropp-qgz-block-size --zeropp-qgz-fraction --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits

@@ -79,3 +79,12 @@ def test_profile_writes_a_trace_of_the_asked_iterations(tmp_path):
         events = json.load(f)["traceEvents"]
     steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
     assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
+
+
+def test_use_cpu_initialization_builds_on_the_host_for_the_zeropp_layer():
+    # The ZeRO++ layer then moves the model to the device unit by unit; megatron-core's DDP keeps
+    # Megatron-LM's behaviour (initialize on the host, then move the whole model).
+    from megatron_zeropp.training.model import transformer_config
+
+    args = parse_args(ARGV + ["--train-iters", "3", "--use-cpu-initialization"], world_size=2)
+    assert args.use_cpu_initialization and transformer_config(args).use_cpu_initialization

@@ -323,3 +323,39 @@ def test_the_optimizer_is_built_without_gathering_a_weight():
         assert started == [] and gathered == 0
         assert set(name) == {"ZeroPPDistributedOptimizer"}
         assert same  # fp32 model: Adam updates the primary shard in place
+
+
+# -- the chunk is sharded unit by unit -----------------------------------------------------------
+def _construction_peak(ctx):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from tiny_gpt import build_model, setup_megatron, tiny_config
+
+    from megatron_zeropp.sharding import ZeroPPDataParallel
+    from megatron_zeropp.sharding.unit import ShardedUnit
+
+    setup_megatron(1, 1)
+    config = tiny_config(1, 1)
+    built, peaks = [], []
+    init = ShardedUnit.__init__
+
+    def counting_init(self, *a, **k):
+        init(self, *a, **k)
+        built.append(self)
+        peaks.append(sum(u.gathered_bytes() for u in built))
+
+    ShardedUnit.__init__ = counting_init
+    try:
+        wrapped = ZeroPPDataParallel(config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True), build_model(config), ctx.topology(1, 1),
+            ZeroPPConfig(hpz=True))
+    finally:
+        ShardedUnit.__init__ = init
+    largest = max(sum(u._nbytes) for u in wrapped.units)
+    return peaks, largest, sum(sum(u._nbytes) for u in wrapped.units)
+
+
+def test_construction_holds_one_unit_at_a_time():
+    for peaks, largest, whole in run_distributed(_construction_peak, 1, 2):
+        # Each unit is released before the next one is built: the weights gathered during
+        # construction never exceed the largest unit (the whole chunk would be `whole`).
+        assert max(peaks) <= largest < whole, (peaks, largest, whole)

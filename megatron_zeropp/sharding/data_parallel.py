@@ -53,6 +53,18 @@ def _tensors(obj) -> Iterable[torch.Tensor]:
             yield from _tensors(x)
 
 
+def _move_leftovers(module: torch.nn.Module, device: torch.device) -> None:
+    """What no unit owns (frozen parameters, buffers) goes to the units' device: a host-built
+    model's leftovers; a no-op when the model was built there."""
+    for p in module.parameters():
+        if p.device != device:
+            p.data = p.data.to(device)
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
 def _check_ddp_config(ddp_config) -> None:
     problems = []
     if not ddp_config.use_distributed_optimizer:
@@ -142,9 +154,17 @@ class ZeroPPDataParallel(_BaseDataParallel):
         scale = 1.0 if config.calculate_per_token_loss else 1.0 / len(groups.dp_ranks)
         names = {p: n for n, p in module.named_parameters()}
         self.units: List[ShardedUnit] = []
+        self.grad_accs = []
         for spec in find_units(module, self.zeropp.unit):
             buffers = build_unit_buffers(spec, ddp_config, groups.dp, scale, names, pgc)
-            self.units.append(ShardedUnit(spec.name, spec.root, buffers, self.comm))
+            unit = ShardedUnit(spec.name, spec.root, buffers, self.comm)
+            self._hook_grads(unit)
+            # Sharded at once: with a host-built model (use_cpu_initialization) only this unit is
+            # ever whole on the device.
+            unit.release()
+            self.units.append(unit)
+        if self.units:
+            _move_leftovers(module, self.units[0].buckets[0].param_data.device)
         self.param_to_unit = {p: u for u in self.units for p in u.params}
         for unit in self.units:
             # What the optimizer reads and writes instead of the (transient) full parameter.
@@ -188,8 +208,9 @@ class ZeroPPDataParallel(_BaseDataParallel):
                     m.register_forward_pre_hook(self._use_pre_hook, with_kwargs=True)
                 )
                 self._hook_handles.append(m.register_forward_hook(self._use_post_hook))
-        self.grad_accs = []
-        for p in self.params_with_grad:
+
+    def _hook_grads(self, unit: ShardedUnit) -> None:
+        for p in unit.params:
             acc = p.expand_as(p).grad_fn.next_functions[0][0]
             acc.register_hook(self._make_grad_hook(p))
             self.grad_accs.append(acc)

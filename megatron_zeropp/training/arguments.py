@@ -165,6 +165,10 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
                    help="reduce each layer's gradients in every micro-batch into an fp32 shard "
                    "of 1/DP (less memory; more bytes with gradient accumulation)")
     g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialize the weights on the host (Megatron-LM's flag); with the ZeRO++ "
+                   "layer each unit then goes to the GPU on its own and is sharded at once, so "
+                   "the model chunk is never whole on the GPU")
     g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
 

@@ -74,11 +74,14 @@ def gpt_model(
     *,
     transformer_engine: bool = False,
     normalization: str = "LayerNorm",
+    on_host: bool = False,
     **gpt_kwargs,
 ):
     """This pipeline stage's GPTModel, on the current device, Float16Module-wrapped for bf16/fp16.
 
-    ``gpt_kwargs`` go to GPTModel (position embedding type, rotary settings, tied embeddings).
+    ``on_host`` leaves it in host memory (built with ``use_cpu_initialization``), for the ZeRO++
+    layer to move unit by unit. ``gpt_kwargs`` go to GPTModel (position embedding type, rotary
+    settings, tied embeddings).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -104,7 +107,7 @@ def gpt_model(
         max_sequence_length=max_sequence_length,
         **gpt_kwargs,
     )
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not on_host:
         model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:
         from megatron.core.transformer.module import Float16Module

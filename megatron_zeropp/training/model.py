@@ -36,6 +36,7 @@ def transformer_config(args):
         dtype=params_dtype(args),
         swiglu=args.swiglu,
         ffn_hidden_size=args.ffn_hidden_size,
+        use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
@@ -69,6 +70,8 @@ def build_gpt(args, config, vocab_size: int):
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        # The ZeRO++ layer moves a host-built model to the GPU unit by unit (sharding/).
+        on_host=args.use_cpu_initialization and args.data_parallel_impl == "zeropp",
     )
 
 
