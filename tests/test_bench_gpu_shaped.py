@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 
 import gpu_shaped as G  # noqa: E402
 from _netns import NetPlan, Shell  # noqa: E402
+from failing_shell import FailingShell  # noqa: E402
 
 PLAN = NetPlan(tag="42", mtu=9000, bin_dir="/nb", burst_seconds=1 / 200, min_burst=256 * 1024,
                latency_ms=200)
@@ -141,15 +142,6 @@ def test_bad_options(kw, message):
         _opts(**kw)
 
 
-class FailingShell(Shell):
-    def __init__(self, fail_on):
-        super().__init__(dry_run=True)
-        self.fail_on = fail_on
-
-    def run(self, cmd, check=True):
-        super().run(cmd, check)
-        if self.fail_on in " ".join(cmd) and check:
-            raise RuntimeError("simulated failure")
         return True
 
 

@@ -10,20 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 
 import shaped_cluster  # noqa: E402
 from _netns import NetPlan, ShapedNetwork, ShapingUnavailable, Shell  # noqa: E402
-
-
-class FailingShell(Shell):
-    """Records commands; raises on the first one containing ``fail_on``."""
-
-    def __init__(self, fail_on):
-        super().__init__(dry_run=True)
-        self.fail_on = fail_on
-
-    def run(self, cmd, check=True):
-        super().run(cmd, check)
-        if self.fail_on in " ".join(cmd) and check:
-            raise RuntimeError(f"simulated failure: {' '.join(cmd)}")
-        return True
+from failing_shell import FailingShell  # noqa: E402
 
 
 def test_plan_commands():
