@@ -177,12 +177,9 @@ class ZeroPPDataParallel(_BaseDataParallel):
             i = 0
             for buf in unit.buffers:
                 k = len(buf.buckets)
-                shards = unit.shards[i : i + k]
                 grad_shards = unit.grad_shards[i : i + k] if unit.shard_grads else [None] * k
                 i += k
-                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append(
-                    (buf, shards, grad_shards)
-                )
+                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append((buf, grad_shards))
         self.buffers = [CombinedBuffer(pd, gd, p) for (pd, gd), p in parts.items()]
         self.expert_parallel_buffers: list = []
         self.bucket_groups = [
@@ -351,23 +348,14 @@ class ZeroPPDataParallel(_BaseDataParallel):
         for p in self.params_with_grad:
             p.grad_added_to_main_grad = False
         for unit in self.units:
-            if self.zeropp.shard_grads:
-                unit.zero_grad_shards()
-            else:
-                for buf in unit.buffers:
-                    buf.reset()
+            unit.zero_grads()
         for group in self.bucket_groups:
             group.reset()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale all gradients by ``scaling_factor``."""
         for unit in self.units:
-            if self.zeropp.shard_grads:
-                for g in unit.grad_shards:
-                    g.mul_(scaling_factor)
-            else:
-                for buf in unit.buffers:
-                    buf.scale_gradients(scaling_factor)
+            unit.scale_grads(scaling_factor)
 
     def broadcast_params(self):
         """Make every DP rank hold DP rank 0's weights (then re-shard).

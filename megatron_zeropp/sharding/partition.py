@@ -99,9 +99,8 @@ class CombinedBuffer:
     Exposes what ``DistributedOptimizer`` and ``partition_buckets`` read: dtypes, buckets (with
     ``offset``/``bucket_id`` rebased), ``param_index_map``, sizes and the DP group. Bucket objects
     are new megatron-core ``_ParamAndGradBucket``s over the same tensors, tagged with the unit's
-    primary shard (and fp32 gradient shard, with ``shard_grads``) so the optimizer knows where
-    chunk r of each bucket lives. ``parts`` holds ``(buffer, primary shards, grad shards or
-    None)`` per unit buffer.
+    fp32 gradient shard (``None`` without ``shard_grads``), which tells the optimizer where its
+    gradients are. ``parts`` holds ``(buffer, grad shards or Nones)`` per unit buffer.
     """
 
     def __init__(self, param_dtype, grad_dtype, parts: Sequence[Tuple[object, Sequence]]):
@@ -122,18 +121,14 @@ class CombinedBuffer:
         self.param_indices = []
         offset = 0
         unpadded = 0
-        for buffer, shards, grad_shards in parts:
-            z = buffer.data_parallel_world_size
-            rank = buffer.data_parallel_group.rank()
-            for bucket, shard, grad_shard in zip(buffer.buckets, shards, grad_shards):
+        for buffer, grad_shards in parts:
+            for bucket, grad_shard in zip(buffer.buckets, grad_shards):
                 combined = _ParamAndGradBucket(
                     bucket.params_list, bucket.param_data, bucket.grad_data,
                     offset + bucket.offset, bucket.numel_unpadded,
                     bucket.gradient_scaling_factor, len(self.buckets),
                 )
-                combined.zeropp_shard = shard
                 combined.zeropp_grad_shard = grad_shard
-                combined.zeropp_shard_start = rank * (bucket.grad_data.numel() // z)
                 self.buckets.append(combined)
                 self.bucket_indices.append(
                     (combined.offset, combined.offset + bucket.grad_data.numel())

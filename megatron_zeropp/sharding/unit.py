@@ -381,13 +381,27 @@ class ShardedUnit:
         for p in self.params:
             p.main_grad = self._shard_main_grads[p]
 
-    def zero_grad_shards(self) -> None:
-        """Zero the fp32 gradient shards (start of a step)."""
+    def zero_grads(self) -> None:
+        """Zero this unit's gradients (start of a step): the fp32 shards with ``shard_grads``
+        (and ``main_grad`` back on the full views), megatron-core's buffers otherwise."""
+        if not self.shard_grads:
+            for buf in self.buffers:
+                buf.reset()
+            return
         self.finish_grad_reduce()
         for g in self.grad_shards:
             g.zero_()
         for p in self.params:
             p.main_grad = self._full_main_grads[p]
+
+    def scale_grads(self, factor: float) -> None:
+        """Scale this unit's (reduced) gradients, wherever they live."""
+        if not self.shard_grads:
+            for buf in self.buffers:
+                buf.scale_gradients(factor)
+            return
+        for g in self.grad_shards:
+            g.mul_(factor)
 
     # -- weight updates outside the optimizer ----------------------------------------------
     def write_back(self) -> None:
