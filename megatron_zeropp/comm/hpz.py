@@ -273,11 +273,6 @@ class SecondaryWeights:
         for p, full in zip(self.partitions, fulls):
             p.refresh(full, version)
 
-    def invalidate(self) -> None:
-        """Mark every partition unusable."""
-        for p in self.partitions:
-            p.invalidate()
-
     def storage_bytes(self) -> int:
         """Bytes kept on this rank (slices and version tags), from the live storages."""
         return sum(p.storage_bytes() for p in self.partitions)
