@@ -60,7 +60,7 @@ PROBE = os.path.join(REPO, "benchmarks", "link_probe.py")
 
 _DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257",
          "--lr", "1e-4", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
-         "--seed", "1234"]
+         "--seed", "1234", "--log-throughput"]
 PRESETS: Dict[str, List[str]] = {
     # The 1.3B GPT measured by hand (../shared/docs/gpu-shaping.md) and in gpu_pretrain.sh.
     "1.3b": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",

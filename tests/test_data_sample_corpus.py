@@ -99,7 +99,7 @@ def test_other_arguments_rebuild(prepared, monkeypatch, tmp_path):
     assert sample_corpus.prepare_sample_data(work) == data
     assert calls == []  # cache hit
     sample_corpus.prepare_sample_data(work, vocab_size=2048)
-    assert calls == [(os.path.abspath(work), 2048, 30)]
+    assert calls == [(os.path.abspath(work), 2048, 30, "docs", 80_000_000, 1)]
 
 
 def test_sample_data_feeds_a_gpt_dataset(prepared):
@@ -142,3 +142,18 @@ def test_tool_prints_the_training_flags(prepared, capsys):
     assert f"--train-data-path {data.train_data_prefix}" in out
     assert tool.main(["--output-dir", work, "--valid-per-mille", "0"]) == 2
     assert "valid_per_mille must be in 1..999, got 0" in capsys.readouterr().err
+
+
+def test_source_corpus_is_capped_deterministic_and_distinct():
+    cap = 300_000
+    docs = list(sample_corpus.iter_source_documents(cap))
+    assert docs == list(sample_corpus.iter_source_documents(cap))
+    sizes = [len(text.encode("utf-8")) for _, text in docs]
+    assert len(docs) > 5 and sum(sizes) <= cap
+    assert len({doc_id for doc_id, _ in docs}) == len(docs)
+    assert len({text for _, text in docs}) == len(docs)
+    assert all(doc_id.startswith("source:") and doc_id.endswith(".py") for doc_id, _ in docs)
+    with pytest.raises(ValueError, match="got 0"):
+        next(sample_corpus.iter_source_documents(0))
+    with pytest.raises(ValueError, match="'nope'"):
+        sample_corpus.write_sample_corpus("/tmp/unused", corpus="nope")

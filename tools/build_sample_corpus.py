@@ -30,19 +30,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prepare", action="store_true", help="also train a tokenizer and write .bin/.idx"
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="with --prepare")
+    parser.add_argument(
+        "--corpus", choices=("docs", "sources"), default="docs",
+        help="docs: ~2 MB of help topics and docstrings; sources: also whole .py files of the "
+             "standard library and installed packages, up to --max-source-mbytes",
+    )
+    parser.add_argument("--max-source-mbytes", type=float, default=80.0, help="with --corpus sources")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (--prepare)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    max_source_bytes = int(args.max_source_mbytes * 10**6)
     try:
         if not args.prepare:
             train, valid, train_docs, valid_docs = write_sample_corpus(
-                args.output_dir, args.valid_per_mille
+                args.output_dir, args.valid_per_mille, args.corpus, max_source_bytes
             )
             print(f"wrote {train} ({train_docs} documents) and {valid} ({valid_docs} documents)")
             return 0
-        data = prepare_sample_data(args.output_dir, args.vocab_size, args.valid_per_mille)
+        data = prepare_sample_data(args.output_dir, args.vocab_size, args.valid_per_mille,
+                                   args.corpus, max_source_bytes, args.workers)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

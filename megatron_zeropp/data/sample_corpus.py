@@ -1,6 +1,6 @@
-"""A ~2 MB English/code corpus built from text that ships with Python, and a cached data pipeline.
+"""Corpora built from text that ships with Python (no download), and a cached data pipeline.
 
-No download: the documents are
+``corpus="docs"`` (the default, ~2 MB of English and code) has these documents:
 
 - every topic of ``pydoc_data.topics`` (the language reference help text ``help()`` shows), one
   document per topic;
@@ -8,7 +8,11 @@ No download: the documents are
   docstring under a ``class Name(bases)`` / ``def Name.method(args)`` heading. The source is parsed
   with :mod:`ast`, never imported (importing ``antigravity`` opens a browser, ``this`` prints).
 
-The text is deterministic for a given Python version (the stdlib changes between versions, so the
+``corpus="sources"`` adds whole source files, for runs that need tens of millions of tokens: every
+``.py`` file of the standard library (tests included) and of the interpreter's installed packages
+(``purelib``), taken in hash order until ``max_source_bytes``; one document per file.
+
+The text is deterministic for a given Python version (and, with ``sources``, installed packages) (the stdlib changes between versions, so the
 version is part of the cache key). About 3 % of the documents (the 30 of ``--split 969,30,1``),
 chosen by a hash of their id, are held out for validation; the training file is ordered by the
 same hash, so Megatron's contiguous ``--split`` ranges also mix topics and modules.
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 CORPUS_VERSION = 1
+CORPORA = ("docs", "sources")
 """Bump when the document extraction changes, so cached work directories are rebuilt."""
 
 _SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "turtledemo", "__pycache__"}
@@ -114,12 +119,59 @@ def iter_sample_documents() -> Iterator[Tuple[str, str]]:
         yield from documents
 
 
+def _source_roots() -> List[Path]:
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["stdlib"]), Path(paths["purelib"])]
+    # A venv's purelib lies outside the stdlib; the base interpreter's lies inside it. Either way
+    # each file is read once (below, by resolved path).
+    return roots
+
+
+def iter_source_documents(max_bytes: int) -> Iterator[Tuple[str, str]]:
+    """``("source:<path>", text)`` of whole ``.py`` files, in hash order, up to ``max_bytes``.
+
+    Unreadable or non-UTF-8 files and exact duplicates (vendored copies) are skipped.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+    files = {}
+    for root in _source_roots():
+        for path in root.rglob("*.py"):
+            resolved = path.resolve()
+            doc_id = f"source:{path.relative_to(root).as_posix()}"
+            files.setdefault(resolved, doc_id)
+    seen, total = set(), 0
+    for resolved, doc_id in sorted(files.items(), key=lambda item: (_hash(item[1]), item[1])):
+        try:
+            text = resolved.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        digest = hashlib.sha256(text.encode("utf-8")).digest()
+        if not text.strip() or digest in seen:
+            continue
+        seen.add(digest)
+        size = len(text.encode("utf-8"))
+        if total + size > max_bytes:
+            continue
+        total += size
+        yield doc_id, text
+
+
+def _corpus_documents(corpus: str, max_source_bytes: int) -> Iterator[Tuple[str, str]]:
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
+    yield from iter_sample_documents()
+    if corpus == "sources":
+        yield from iter_source_documents(max_source_bytes)
+
+
 def _hash(doc_id: str) -> int:
     return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
 
 
 def write_sample_corpus(
-    output_dir: str, valid_per_mille: int = 30
+    output_dir: str, valid_per_mille: int = 30, corpus: str = "docs",
+    max_source_bytes: int = 80 * 10**6,
 ) -> Tuple[str, str, int, int]:
     """Write ``sample_corpus_train.jsonl`` and ``sample_corpus_valid.jsonl`` into ``output_dir``.
 
@@ -128,7 +180,7 @@ def write_sample_corpus(
     """
     if not 0 < valid_per_mille < 1000:
         raise ValueError(f"valid_per_mille must be in 1..999, got {valid_per_mille}")
-    documents = sorted(iter_sample_documents(), key=lambda item: (_hash(item[0]), item[0]))
+    documents = sorted(_corpus_documents(corpus, max_source_bytes), key=lambda item: (_hash(item[0]), item[0]))
     os.makedirs(output_dir, exist_ok=True)
     paths = [os.path.join(output_dir, f"sample_corpus_{name}.jsonl") for name in ("train", "valid")]
     counts = [0, 0]
@@ -162,34 +214,40 @@ class SampleData:
     valid_tokens: int
 
 
-def _cache_key(vocab_size: int, valid_per_mille: int) -> dict:
-    return {
+def _cache_key(vocab_size: int, valid_per_mille: int, corpus: str = "docs",
+               max_source_bytes: int = 0) -> dict:
+    key = {
         "corpus_version": CORPUS_VERSION,
         "python": platform.python_version(),
         "vocab_size": vocab_size,
         "valid_per_mille": valid_per_mille,
     }
+    if corpus != "docs":  # keeps the key (and so the caches) of the docs corpus as it was
+        key.update(corpus=corpus, max_source_bytes=max_source_bytes)
+    return key
 
 
 def prepare_sample_data(
-    work_dir: str, vocab_size: int = 4096, valid_per_mille: int = 30
+    work_dir: str, vocab_size: int = 4096, valid_per_mille: int = 30, corpus: str = "docs",
+    max_source_bytes: int = 80 * 10**6, workers: int = 1,
 ) -> SampleData:
     """Build corpus -> tokenizer -> ``.bin``/``.idx`` in ``work_dir`` once; reuse it afterwards.
 
     Safe to call from several processes at once (e.g. every rank): an exclusive file lock makes one
     build while the others wait, then read the finished manifest. Rebuilds when the Python version,
-    ``CORPUS_VERSION`` or the arguments differ from the cached build.
+    ``CORPUS_VERSION`` or the arguments differ from the cached build. ``workers`` > 1 tokenizes
+    in that many processes (only from a process that may fork, e.g. the command-line tool).
     """
     work_dir = os.path.abspath(work_dir)
     os.makedirs(work_dir, exist_ok=True)
     manifest_path = os.path.join(work_dir, "sample_data.json")
-    key = _cache_key(vocab_size, valid_per_mille)
+    key = _cache_key(vocab_size, valid_per_mille, corpus, max_source_bytes)
     with open(os.path.join(work_dir, ".sample_data.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _read_manifest(manifest_path, key)
         if cached is not None:
             return cached
-        data = _build(work_dir, vocab_size, valid_per_mille)
+        data = _build(work_dir, vocab_size, valid_per_mille, corpus, max_source_bytes, workers)
         with open(manifest_path + ".tmp", "w") as f:
             json.dump({"key": key, "data": asdict(data)}, f, indent=1)
         os.replace(manifest_path + ".tmp", manifest_path)
@@ -210,16 +268,21 @@ def _read_manifest(path: str, key: dict):
     return data if all(os.path.isfile(f) for f in files) else None
 
 
-def _build(work_dir: str, vocab_size: int, valid_per_mille: int) -> SampleData:
+def _build(work_dir: str, vocab_size: int, valid_per_mille: int, corpus: str,
+           max_source_bytes: int, workers: int) -> SampleData:
     from .documents import iter_documents
     from .preprocess import PreprocessConfig, preprocess
     from .tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 
-    train_jsonl, valid_jsonl, _, _ = write_sample_corpus(work_dir, valid_per_mille)
+    train_jsonl, valid_jsonl, _, _ = write_sample_corpus(
+        work_dir, valid_per_mille, corpus, max_source_bytes)
     model = train_sentencepiece(
         iter_documents(train_jsonl),
         os.path.join(work_dir, "sample_tokenizer"),
-        TokenizerTrainingConfig(vocab_size=vocab_size, model_type="bpe"),
+        # A few hundred MB of sentences would take the trainer minutes and GBs; a sample of
+        # lines gives the same merges for a vocabulary this small.
+        TokenizerTrainingConfig(vocab_size=vocab_size, model_type="bpe",
+                                **({"max_sentences": 2_000_000} if corpus == "sources" else {})),
     )
     results = {}
     for split, jsonl in (("train", train_jsonl), ("valid", valid_jsonl)):
@@ -232,7 +295,7 @@ def _build(work_dir: str, vocab_size: int, valid_per_mille: int) -> SampleData:
                 tokenizer_type="SentencePieceTokenizer",
                 tokenizer_model=model,
                 append_eod=True,
-                workers=1,
+                workers=workers,
                 log_interval=10**9,
             )
         )

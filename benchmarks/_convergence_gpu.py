@@ -1,0 +1,188 @@
+"""GPU mode of ``convergence.py``: every configuration at once on one host, resumable across calls.
+
+All N GPUs form two nodes of G = N / 2 (``--ranks-per-node G``, NVLink; the numerics do not depend
+on the link). Each configuration is one torchrun job over all N GPUs; the jobs run concurrently
+(a ~124M model leaves an H200 mostly idle, so sharing the GPUs costs little per job and every
+configuration sees the same wall-clock budget). Each job saves into ``RUN_DIR/<name>/ckpt`` when
+``--minutes`` run out (Megatron-LM's ``--exit-duration-in-mins``) and resumes from there on the
+next call, so a schedule longer than one device call is finished over several. Logs accumulate in
+``RUN_DIR/<name>/train.log``; :func:`collect` reads them back into curves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _pretrain_log import parse_iteration_line  # noqa: E402
+from gpu_shaped import COMMON_ENV, _kill_group  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
+
+# GPT-2 small's parameter count with an 8k vocabulary: 12 x 12 h^2 = 115.6M in the layers,
+# 7.5M + 0.9M in the embeddings.
+MODEL_124M = ["--num-layers", "12", "--hidden-size", "896", "--num-attention-heads", "14",
+              "--ffn-hidden-size", "3584", "--seq-length", "1024",
+              "--max-position-embeddings", "1024", "--hidden-dropout", "0",
+              "--attention-dropout", "0"]
+# Seconds per iteration on CPU: smoke runs of the driver itself.
+MODEL_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
+              "--attention-dropout", "0"]
+MODELS = {"124m": MODEL_124M, "tiny": MODEL_TINY}
+# Gradients accumulated and reduced in fp32 for every configuration, so that ZeRO-3 with and
+# without --zeropp-shard-grads differ only in the order of the same fp32 sums.
+TRAINING = ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "6e-4", "--min-lr", "6e-5",
+            "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95",
+            "--clip-grad", "1.0", "--init-method-std", "0.02", "--log-interval", "1",
+            "--ckpt-format", "torch"]
+
+_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    """Validated settings of one call."""
+
+    configs: Dict[str, Tuple[str, ...]]
+    data_prefix: Tuple[str, str]  # train, validation (IndexedDataset prefixes)
+    vocab_size: int
+    run_dir: str
+    gpus: int
+    train_iters: int
+    micro_batch_size: int
+    global_batch_size: int
+    eval_interval: int
+    eval_iters: int
+    minutes: float
+    model: str = "124m"
+    python: str = sys.executable
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.gpus < 2 or self.gpus % 2:
+            raise ValueError(f"need an even number of GPUs >= 2 (two nodes), got {self.gpus}")
+        per_step = self.micro_batch_size * self.gpus
+        if self.global_batch_size % per_step:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"micro-batch size x GPUs = {per_step}")
+        if not self.minutes > 0 or self.train_iters < 1:
+            raise ValueError(f"need --minutes > 0 and --iters >= 1, got {self.minutes}, "
+                             f"{self.train_iters}")
+        for prefix in self.data_prefix:
+            if not os.path.isfile(prefix + ".idx"):
+                raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
+
+    @property
+    def warmup_iters(self) -> int:
+        return max(1, self.train_iters // 50)
+
+
+def job_argv(run: GpuRun, name: str) -> List[str]:
+    """pretrain_gpt.py and its flags for one configuration (resumes from its own checkpoint)."""
+    ckpt = os.path.join(run.run_dir, name, "ckpt")
+    flags = list(run.configs[name])
+    seed = [] if "--seed" in flags else ["--seed", "1234"]
+    return [PRETRAIN] + MODELS[run.model] + TRAINING + [
+        "--train-data-path", run.data_prefix[0], "--valid-data-path", run.data_prefix[1],
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(run.vocab_size),
+        "--micro-batch-size", str(run.micro_batch_size),
+        "--global-batch-size", str(run.global_batch_size),
+        "--train-iters", str(run.train_iters), "--lr-warmup-iters", str(run.warmup_iters),
+        "--eval-interval", str(run.eval_interval), "--eval-iters", str(run.eval_iters),
+        "--ranks-per-node", str(run.gpus // 2), "--save", ckpt, "--load", ckpt,
+        "--exit-duration-in-mins", f"{run.minutes:g}",
+    ] + seed + flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_command(run: GpuRun, name: str, port: int) -> List[str]:
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(run.gpus)), **COMMON_ENV}
+    return (["env"] + [f"{k}={v}" for k, v in env.items()] +
+            [run.python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+             str(run.gpus), "--master-addr", "127.0.0.1", "--master-port", str(port)] +
+            job_argv(run, name))
+
+
+def run_all(run: GpuRun, grace_s: float = 120.0, echo=print) -> Dict[str, Optional[int]]:
+    """Start every configuration's job, wait for all; returns exit codes (None: killed).
+
+    Jobs stop themselves after ``minutes`` (saving a checkpoint); one that has not ended
+    ``grace_s`` later is killed, and the others keep running when one fails.
+    """
+    procs = {}
+    try:
+        for name in run.configs:
+            os.makedirs(os.path.join(run.run_dir, name), exist_ok=True)
+            cmd = job_command(run, name, _free_port())
+            log = open(os.path.join(run.run_dir, name, "train.log"), "a")
+            log.write(f"\n### {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} "
+                      f"{shlex.join(cmd)}\n")
+            log.flush()
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+            log.close()
+            echo(f"started {name}")
+        deadline = time.monotonic() + run.minutes * 60 + grace_s
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(2)
+        return {name: p.poll() for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            _kill_group(p)
+
+
+def _qgz_errors(path: str) -> List[dict]:
+    import json
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
+    """Curves of each configuration from its accumulated log (a resumed iteration's later line
+    wins): ``iterations, loss, grad_norm, ms, val_loss [(it, loss)], final_val_loss,
+    qgz_error``."""
+    out = {}
+    for name in names:
+        path = os.path.join(run_dir, name, "train.log")
+        its: Dict[int, dict] = {}
+        vals: Dict[int, float] = {}
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                for line in f:
+                    it = parse_iteration_line(line)
+                    if it is not None and "loss" in it:
+                        its[it["iteration"]] = it
+                        continue
+                    m = _VALIDATION.search(line)
+                    if m:
+                        vals[int(m.group(1))] = float(m.group(2))
+        order = sorted(its)
+        out[name] = {
+            "iterations": order,
+            "loss": [its[i]["loss"] for i in order],
+            "grad_norm": [its[i].get("grad_norm") for i in order],
+            "ms": [its[i].get("ms") for i in order],
+            "val_loss": sorted(vals.items()),
+            "qgz_error": _qgz_errors(os.path.join(run_dir, name, "qgz_error.jsonl")),
+        }
+    return out
