@@ -66,6 +66,8 @@ class GpuRun:
     eval_iters: int
     minutes: float
     model: str = "124m"
+    qgz_error_interval: int = 0
+    """With qgZ on: measure its relative error every N iterations (0: never)."""
     python: str = sys.executable
 
     def __post_init__(self):
@@ -103,7 +105,15 @@ def job_argv(run: GpuRun, name: str) -> List[str]:
         "--eval-interval", str(run.eval_interval), "--eval-iters", str(run.eval_iters),
         "--ranks-per-node", str(run.gpus // 2), "--save", ckpt, "--load", ckpt,
         "--exit-duration-in-mins", f"{run.minutes:g}",
-    ] + seed + flags
+    ] + seed + flags + _qgz_error_flags(run, name, flags)
+
+
+def _qgz_error_flags(run: GpuRun, name: str, flags: Sequence[str]) -> List[str]:
+    """The qgZ error diagnostic (it changes no bit of the training) for configurations with qgZ."""
+    if not run.qgz_error_interval or "--zeropp-qgz" not in flags:
+        return []
+    return ["--zeropp-qgz-error-interval", str(run.qgz_error_interval),
+            "--zeropp-qgz-error-log", os.path.join(run.run_dir, name, "qgz_error.jsonl")]
 
 
 def _free_port() -> int:

@@ -237,7 +237,7 @@ def _gpu_main(args) -> None:
             run_dir=os.path.abspath(args.run_dir), gpus=args.gpus, train_iters=args.iters,
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             eval_interval=args.eval_interval, eval_iters=args.eval_iters, minutes=args.minutes,
-            model=args.model)
+            model=args.model, qgz_error_interval=args.qgz_error_interval)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if not args.collect_only:
@@ -283,6 +283,8 @@ def main(argv=None) -> None:
     gpu.add_argument("--micro-batch-size", type=int, default=8)
     gpu.add_argument("--global-batch-size", type=int, default=32)
     gpu.add_argument("--eval-iters", type=int, default=10)
+    gpu.add_argument("--qgz-error-interval", type=int, default=0,
+                     help="configurations with qgZ log its relative error every N iterations")
     gpu.add_argument("--collect-only", action="store_true",
                      help="only read the logs in --run-dir back (no training)")
     gpu.add_argument("extra", nargs="*", help="after --: more pretrain_gpt.py flags, every job")

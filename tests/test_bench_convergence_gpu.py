@@ -114,3 +114,13 @@ def test_end_to_end_on_cpu_hpz_identical_to_zero3(tmp_path, capsys):
     assert res["hpz"]["loss"] == res["zero3"]["loss"]
     assert [v[0] for v in res["zero3"]["val_loss"]] == [2, 4]
     assert "none (identical)" in out and os.path.getsize(tmp_path / "c.png") > 0
+
+
+def test_qgz_error_diagnostic_only_where_qgz_runs(tmp_path):
+    run = _run(tmp_path, configs={"zero3": (), "all3": ("--zeropp-qwz", "--zeropp-qgz")},
+               qgz_error_interval=20)
+    assert "--zeropp-qgz-error-interval" not in G.job_argv(run, "zero3")
+    argv = G.job_argv(run, "all3")
+    assert _flag(argv, "--zeropp-qgz-error-interval") == "20"
+    assert _flag(argv, "--zeropp-qgz-error-log") == os.path.join(run.run_dir, "all3",
+                                                                 "qgz_error.jsonl")
