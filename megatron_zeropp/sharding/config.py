@@ -43,6 +43,10 @@ class ZeroPPConfig:
     """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
     reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
     ``set_training_progress``; 1.0 = always."""
+    qgz_error_interval: int = 0
+    """Every this many iterations (and on iteration 1) measure each unit's relative error of the
+    qgZ reduction against an extra, uncounted fp32 reduction of the same gradients
+    (:mod:`.qgz_error`); 0 = never. Needs ``qgz``."""
     shard_grads: bool = False
     """Reduce each unit's gradients as soon as its backward is complete, in every micro-batch,
     into a persistent fp32 shard of 1/Z; the full gradients of a unit exist only while its
@@ -76,6 +80,15 @@ class ZeroPPConfig:
             )
         if not isinstance(self.qgz_fraction, (int, float)) or not 0.0 < self.qgz_fraction <= 1.0:
             raise ValueError(f"qgz_fraction must be in (0, 1], got {self.qgz_fraction!r}")
+        if (not isinstance(self.qgz_error_interval, int) or isinstance(self.qgz_error_interval, bool)
+                or self.qgz_error_interval < 0):
+            raise ValueError(
+                f"qgz_error_interval must be an int >= 0, got {self.qgz_error_interval!r}"
+            )
+        if self.qgz_error_interval and not self.qgz:
+            raise ValueError(
+                f"qgz_error_interval={self.qgz_error_interval} measures qgZ, which is off (qgz=False)"
+            )
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.unit not in _UNITS:

@@ -183,7 +183,8 @@ class ZeroPPDataParallel(_BaseDataParallel):
         self.buffers = [CombinedBuffer(pd, gd, p) for (pd, gd), p in parts.items()]
         self.expert_parallel_buffers: list = []
         self.bucket_groups = [
-            ZeroPPBucketGroup(unit.buckets, ddp_config, self.comm) for unit in reversed(self.units)
+            ZeroPPBucketGroup(unit.buckets, ddp_config, self.comm, unit.name)
+            for unit in reversed(self.units)
         ]
         self.expert_parallel_bucket_groups: list = []
         self.param_to_bucket_group = {
@@ -424,6 +425,22 @@ class ZeroPPDataParallel(_BaseDataParallel):
         """Tell the layer where training is, for the qgZ schedule (``qgz_fraction``)."""
         cutoff = self.zeropp.qgz_fraction * train_iters
         self.comm.qgz_active = self.zeropp.qgz and iteration < cutoff
+        interval = self.zeropp.qgz_error_interval
+        # Iteration numbers in the log are 1-based: ``iteration`` here is the one about to run.
+        n = iteration + 1
+        measure = bool(interval) and self.comm.qgz_active and (n == 1 or n % interval == 0)
+        self.comm.measure_qgz_error = measure
+        if measure:
+            self.comm.qgz_error.reset()
+
+    def qgz_error_report(self) -> Optional[dict]:
+        """After a step measured by the qgZ error diagnostic: ``{"units": {unit name:
+        relative error}, "total": relative error}`` over this DP group (one all-reduce; every
+        DP rank must call it); ``None`` on other steps (no collective)."""
+        if not self.comm.measure_qgz_error:
+            return None
+        self.comm.measure_qgz_error = False
+        return self.comm.qgz_error.report([u.name for u in self.units], self.comm.dp_group)
 
     # -- reporting ------------------------------------------------------------------------
     def comm_counts(self, reset: bool = True) -> dict:

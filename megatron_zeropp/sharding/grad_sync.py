@@ -34,9 +34,10 @@ class _Handles:
 class ZeroPPBucketGroup(_ParamAndGradBucketGroup):
     """A unit's buckets; grads reduced by :meth:`ShardComm.reduce_gradients`."""
 
-    def __init__(self, buckets, ddp_config, comm: ShardComm):
+    def __init__(self, buckets, ddp_config, comm: ShardComm, name: Optional[str] = None):
         super().__init__(buckets, ddp_config, comm.dp_group, comm.dp_size)
         self.comm = comm
+        self.name = name  # the unit's, for the qgZ error diagnostic
 
     def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
         """Scale and reduce-scatter every bucket's gradients (async with overlap_grad_reduce)."""
@@ -62,7 +63,7 @@ class ZeroPPBucketGroup(_ParamAndGradBucketGroup):
             if z == 1:
                 continue
             handle = self.comm.reduce_gradients(
-                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op
+                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op, key=self.name
             )
             if handle is not None:
                 handles.append(handle)

@@ -45,6 +45,7 @@ from megatron_zeropp.comm import (
 from megatron_zeropp.comm.work import run_protocol
 
 from .config import ZeroPPConfig
+from .qgz_error import QgzErrorMeter, exact_chunk
 
 PHASES = ("forward", "backward", "grad")
 
@@ -65,6 +66,10 @@ class ShardComm:
         self.dp_rank = groups.dp_ranks.index(torch.distributed.get_rank())
         self.stats: Dict[str, CommStats] = {p: CommStats(topology) for p in PHASES}
         self.qgz_active = config.qgz
+        # The qgZ error diagnostic: measured only while ``measure_qgz_error`` is set (by the
+        # layer, on the iterations --zeropp-qgz-error-interval picks).
+        self.qgz_error = QgzErrorMeter() if config.qgz_error_interval else None
+        self.measure_qgz_error = False
         self._stale_flags: Dict[torch.device, torch.Tensor] = {}
 
     def stale_flag(self, device: torch.device) -> torch.Tensor:
@@ -99,19 +104,40 @@ class ShardComm:
             )
         return zero3_all_gather(output, shard, self.dp_group, async_op, stats=self.stats[phase])
 
-    def reduce_gradients(self, output, input, async_op: bool):
-        """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them)."""
+    def reduce_gradients(self, output, input, async_op: bool, key: Optional[str] = None):
+        """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them). ``key``
+        names the unit for the qgZ error diagnostic."""
         if self.qgz_active:
-            return qgz_reduce_scatter(
-                output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
-                bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
-                block_size=self.config.qgz_block_size, stats=self.stats["grad"],
-            )
+            if self.measure_qgz_error and key is not None:
+                return self._measured_qgz(output, input, async_op, key)
+            return self._qgz(output, input, async_op)
         return zero3_reduce_scatter(
             output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
         )
 
-    def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool):
+    def _qgz(self, output, input, async_op: bool):
+        return qgz_reduce_scatter(
+            output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
+            bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
+            block_size=self.config.qgz_block_size, stats=self.stats["grad"],
+        )
+
+    def _measured_qgz(self, output, input, async_op: bool, key: str):
+        """The qgZ reduction plus the diagnostic's exact fp32 reduction of the same input, in
+        one call on the reduction lane (the exact copy is taken first: ``output`` may be a view
+        of ``input``)."""
+        meter, group, rank = self.qgz_error, self.dp_group, self.dp_rank
+
+        def body():
+            exact = exact_chunk(input, group, rank, output.numel())
+            self._qgz(output, input, async_op=False)
+            meter.add(key, output, exact)
+
+        return run_protocol(body, async_op, "qgz_error_probe", input.device, lane="reduce",
+                            keep=(input,))
+
+    def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool,
+                              key: Optional[str] = None):
         """Reduce-scatter ``full`` and add this rank's chunk, in fp32, into ``shard``.
 
         One call on the reduction lane (the temporary chunk lives and dies there); ``full`` is
@@ -125,7 +151,7 @@ class ShardComm:
 
             def body():
                 chunk = torch.empty(shard.numel(), dtype=out_dtype, device=full.device)
-                self.reduce_gradients(chunk, full, async_op=False)
+                self.reduce_gradients(chunk, full, async_op=False, key=key)
                 shard.add_(chunk)
 
         return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
@@ -355,7 +381,8 @@ class ShardedUnit:
         for bucket, shard in zip(self.buckets, self.grad_shards):
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
-            handles.append(self.comm.reduce_and_accumulate(shard, bucket.grad_data, async_op))
+            handles.append(self.comm.reduce_and_accumulate(shard, bucket.grad_data, async_op,
+                                                           key=self.name))
         self._grads_live = False
         handles = [h for h in handles if h is not None]
         on_cuda = self.buckets[0].grad_data.device.type == "cuda"
