@@ -48,7 +48,7 @@ def _measure(ctx, bits, mode):
     z, r = comm.dp_size, comm.dp_rank
     if mode == "exact":
         # The quantized path replaced by a full-precision reduce-scatter: nothing to measure.
-        comm._qgz = lambda out, inp, async_op: zero3_reduce_scatter(out, inp, comm.dp_group)
+        comm._qgz = lambda out, inp, *unused: zero3_reduce_scatter(out, inp, comm.dp_group)
     elif mode == "wrong":
         # The measurement compares against the wrong tensor: the next rank's exact chunk.
         real = unit_module.exact_chunk

@@ -161,6 +161,10 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
     g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
                    help="use qgZ for the first fraction of --train-iters only")
+    g.add_argument("--zeropp-qgz-error-feedback", action="store_true",
+                   help="qgZ error feedback: each rank keeps the fp32 residual of what it "
+                   "quantized and adds it to the next step's gradient (4 bytes per gradient "
+                   "element per rank)")
     g.add_argument("--zeropp-qgz-error-interval", type=int, default=0,
                    help="diagnostic: on iteration 1 and every N-th iteration measure each "
                    "layer's relative error of the qgZ reduction against an extra (uncounted) "
@@ -335,6 +339,7 @@ def zeropp_config(args):
         qgz_fraction=args.zeropp_qgz_fraction, prefetch_depth=args.zeropp_prefetch_depth,
         unit=args.zeropp_unit, shard_grads=args.zeropp_shard_grads,
         qgz_error_interval=args.zeropp_qgz_error_interval,
+        qgz_error_feedback=args.zeropp_qgz_error_feedback,
     )
 
 
