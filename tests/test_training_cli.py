@@ -27,7 +27,7 @@ SUPPORTED_FLAGS = sorted("""
 --weight-decay
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
 --zeropp-qgz-block-size --zeropp-qgz-error-feedback --zeropp-qgz-error-interval --zeropp-qgz-error-log
---zeropp-qgz-fraction --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
+--zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
 --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-shard-grads --zeropp-unit
 """.split())
 
@@ -90,6 +90,7 @@ def test_a_valid_command_line_fills_megatron_defaults():
          "--zeropp-qgz-error-interval must be an int >= 0, got -1"),
         (["--zeropp-qgz-error-feedback"], 1,
          "--zeropp-qgz-error-feedback=True needs qgZ, which is off"),
+        (["--zeropp-qgz-hadamard"], 1, "--zeropp-qgz-hadamard=True needs qgZ, which is off"),
         (["--zeropp-qgz", "--zeropp-qgz-error-log", "e.jsonl"], 1,
          "--zeropp-qgz-error-log e.jsonl needs --zeropp-qgz-error-interval > 0, got 0"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),

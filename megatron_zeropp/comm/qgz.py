@@ -33,6 +33,7 @@ Two collectives per call (one per hop), each carrying data and scales packed tog
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -48,6 +49,7 @@ from megatron_zeropp.quant import (
     quantized_sizes,
     swizzled_quantize,
 )
+from megatron_zeropp.quant.hadamard import check_rotation_block, rotate_blocks, unrotate_blocks
 
 from .accounting import CommStats
 from .common import (
@@ -145,6 +147,7 @@ def qgz_reduce_scatter(
     block_size: int = DEFAULT_BLOCK_SIZE,
     stats: Optional[CommStats] = None,
     residual: Optional[QgzResidual] = None,
+    hadamard_seed: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """Quantized two-hop reduce-scatter; DP rank ``inter_rank * N + intra_rank`` gets its chunk.
 
@@ -160,6 +163,11 @@ def qgz_reduce_scatter(
         stats: optional byte counter (protocol ``"qgz_reduce_scatter"``).
         residual: error feedback (:mod:`.qgz_feedback`): the residuals of this input's
             quantizations, added to the next call's; ``None`` = none kept.
+        hadamard_seed: rotate every quantization block by ``H D`` first
+            (:mod:`megatron_zeropp.quant.hadamard`; D drawn from this seed, which must be the
+            same on every rank), sum in the rotated domain through both hops, rotate this rank's
+            chunk back at the end. Each chunk is zero-padded to whole blocks for the rotation,
+            so blocks never straddle chunks; the bytes sent are the same. ``None`` = off.
     """
     check_op(op)
     check_tensor("input", input, contiguous=False)
@@ -179,13 +187,18 @@ def qgz_reduce_scatter(
             f"qgz_reduce_scatter: output has {output.numel()} elements, expected ceil(input "
             f"numel {plan.numel} / DP size {plan.dp_size}) = {plan.chunk_numel}"
         )
+    if hadamard_seed is not None:
+        if not isinstance(hadamard_seed, int) or isinstance(hadamard_seed, bool):
+            raise ValueError(f"hadamard_seed must be an int or None, got {hadamard_seed!r}")
+        check_rotation_block(block_size)
     if residual is not None and not isinstance(residual, QgzResidual):
         raise ValueError(f"residual must be a QgzResidual or None, got {type(residual).__name__}")
     if stats is not None:
         _record(stats, plan, intra_ranks, inter_ranks, me)
 
     def body():
-        total = _reduce(plan, input, intra_node_group, inter_node_group, residual)
+        total = _reduce(plan, input, intra_node_group, inter_node_group, residual,
+                        hadamard_seed)
         if op == "avg":
             total.div_(plan.dp_size)
         output.view(-1).copy_(total.view(-1))
@@ -206,7 +219,8 @@ def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me) -> No
 
 
 def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
-            residual: Optional[QgzResidual] = None) -> torch.Tensor:
+            residual: Optional[QgzResidual] = None,
+            hadamard_seed: Optional[int] = None) -> torch.Tensor:
     """Run the hops; returns this rank's chunk of the sum, fp32, shape (1, c)."""
     x = input.reshape(-1)
     pad = plan.padded_numel - plan.numel
@@ -214,6 +228,23 @@ def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
         x = torch.cat([x, x.new_zeros(pad)])
     if plan.dp_size == 1:
         return x.to(torch.float32).view(1, -1)
+    if hadamard_seed is None:
+        return _hops(plan, x, intra_group, inter_group, residual)
+    bs, c = plan.block_size, plan.chunk_numel
+    cp = math.ceil(c / bs) * bs
+    rows = x.to(torch.float32).view(plan.dp_size, c)
+    if cp != c:
+        rows = torch.nn.functional.pad(rows, (0, cp - c))
+    # quantized_sizes pads each row to whole blocks anyway: the padded plan sends the same bytes.
+    padded = dataclasses.replace(plan, numel=plan.dp_size * cp, chunk_numel=cp)
+    total = _hops(padded, rotate_blocks(rows.reshape(-1), bs, hadamard_seed), intra_group,
+                  inter_group, residual)
+    return unrotate_blocks(total.reshape(-1), bs, hadamard_seed)[:c].view(1, c)
+
+
+def _hops(plan: QgzPlan, x: torch.Tensor, intra_group, inter_group,
+          residual: Optional[QgzResidual]) -> torch.Tensor:
+    """Steps 1-5 on the padded flat input ``x`` (Z * c elements)."""
     K, N, bs = plan.nodes, plan.ranks_per_node, plan.block_size
     if plan.runs_intra_hop:
         data, scales = _first_quantize(x, K, N, plan.bits[0], bs, residual)

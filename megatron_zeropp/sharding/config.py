@@ -52,6 +52,13 @@ class ZeroPPConfig:
     quantized (hop 1's input, and hop 2's requantized node partials) and adds it to the next
     step's input at the same place (:mod:`megatron_zeropp.comm.qgz_feedback`). Costs 4 bytes per
     gradient element per rank (plus 4K/Z for hop 2). Needs ``qgz``."""
+    qgz_hadamard: bool = False
+    """Rotate every qgZ block by a randomized Hadamard transform before quantizing
+    (:mod:`megatron_zeropp.quant.hadamard`): outliers spread over their block, so INT4 scales
+    shrink. The sums stay rotated through both hops; one inverse rotation per output chunk.
+    Needs ``qgz``; the block size (a power of two) is the rotation size."""
+    qgz_hadamard_seed: int = 20240101
+    """Seed of the random signs of the Hadamard rotation (the same on every rank)."""
     shard_grads: bool = False
     """Reduce each unit's gradients as soon as its backward is complete, in every micro-batch,
     into a persistent fp32 shard of 1/Z; the full gradients of a unit exist only while its
@@ -65,7 +72,7 @@ class ZeroPPConfig:
     chunk is one unit (megatron-core's own buffer layout; useful for exact comparisons)."""
 
     def __post_init__(self):
-        for name in ("qwz", "hpz", "qgz", "shard_grads", "qgz_error_feedback"):
+        for name in ("qwz", "hpz", "qgz", "shard_grads", "qgz_error_feedback", "qgz_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("qwz_bits", "qgz_intra_bits", "qgz_inter_bits"):
@@ -96,6 +103,13 @@ class ZeroPPConfig:
             )
         if self.qgz_error_feedback and not self.qgz:
             raise ValueError("qgz_error_feedback=True needs qgZ, which is off (qgz=False)")
+        if self.qgz_hadamard and not self.qgz:
+            raise ValueError("qgz_hadamard=True needs qgZ, which is off (qgz=False)")
+        if (not isinstance(self.qgz_hadamard_seed, int) or isinstance(self.qgz_hadamard_seed, bool)
+                or self.qgz_hadamard_seed < 0):
+            raise ValueError(
+                f"qgz_hadamard_seed must be an int >= 0, got {self.qgz_hadamard_seed!r}"
+            )
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.unit not in _UNITS:
@@ -111,7 +125,8 @@ class ZeroPPConfig:
             parts.append(f"hpZ({size})")
         if self.qgz:
             frac = "" if self.qgz_fraction == 1.0 else f" first {self.qgz_fraction:.0%}"
-            extras = " + error feedback" if self.qgz_error_feedback else ""
+            extras = " + Hadamard" if self.qgz_hadamard else ""
+            extras += " + error feedback" if self.qgz_error_feedback else ""
             parts.append(
                 f"qgZ INT{self.qgz_intra_bits}/INT{self.qgz_inter_bits}/{self.qgz_block_size}{frac}"
                 f"{extras}"

@@ -123,6 +123,7 @@ class ShardComm:
             output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
             bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
             block_size=self.config.qgz_block_size, stats=self.stats["grad"], residual=residual,
+            hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
         )
 
     def _measured_qgz(self, output, input, async_op: bool, key: str,

@@ -161,6 +161,10 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
     g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
                    help="use qgZ for the first fraction of --train-iters only")
+    g.add_argument("--zeropp-qgz-hadamard", action="store_true",
+                   help="rotate each qgZ block by a randomized Hadamard transform before "
+                   "quantizing (smooths outliers for INT4); same bytes, one inverse rotation "
+                   "per output chunk")
     g.add_argument("--zeropp-qgz-error-feedback", action="store_true",
                    help="qgZ error feedback: each rank keeps the fp32 residual of what it "
                    "quantized and adds it to the next step's gradient (4 bytes per gradient "
@@ -340,6 +344,7 @@ def zeropp_config(args):
         unit=args.zeropp_unit, shard_grads=args.zeropp_shard_grads,
         qgz_error_interval=args.zeropp_qgz_error_interval,
         qgz_error_feedback=args.zeropp_qgz_error_feedback,
+        qgz_hadamard=args.zeropp_qgz_hadamard,
     )
 
 
