@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -257,6 +257,19 @@ def _hops(plan: QgzPlan, x: torch.Tensor, intra_group, inter_group,
     return _inter_node_hop(plan, rows, inter_group)
 
 
+_ORDERS: Dict[Tuple[int, int, str], torch.Tensor] = {}
+
+
+def _chunk_order(K: int, N: int, device: torch.device) -> torch.Tensor:
+    # Cached per device: building it from a list is a blocking host-to-device copy on CUDA.
+    key = (K, N, str(device))
+    order = _ORDERS.get(key)
+    if order is None:
+        order = torch.tensor(qgz_chunk_order(K, N), device=device)
+        _ORDERS[key] = order
+    return order
+
+
 def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     """Step 1, with error feedback when ``residual`` is given (kept in input order)."""
     if residual is None:
@@ -265,7 +278,7 @@ def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     xr = x.to(torch.float32) + buf
     data, scales = swizzled_quantize(xr, K, N, bits, bs)
     c = x.numel() // (K * N)
-    order = torch.tensor(qgz_chunk_order(K, N), device=x.device)
+    order = _chunk_order(K, N, x.device)
     sent = dequantize_chunks(data, scales, bits, bs, c, torch.float32)  # (Z, c), send order
     buf.view(-1, c).index_copy_(0, order, xr.view(-1, c).index_select(0, order) - sent)
     return data, scales
