@@ -26,7 +26,8 @@ SUPPORTED_FLAGS = sorted("""
 --valid-data-path --vocab-size
 --weight-decay
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
---zeropp-qgz-block-size --zeropp-qgz-fraction --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
+--zeropp-qgz-block-size --zeropp-qgz-error-feedback --zeropp-qgz-error-interval --zeropp-qgz-error-log
+--zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
 --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-shard-grads --zeropp-unit
 """.split())
 
@@ -83,6 +84,15 @@ def test_a_valid_command_line_fills_megatron_defaults():
         (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible"),
         (["--zeropp-qwz-block-size", "100"], 1, "--zeropp-qwz-block-size must be a power of two"),
         (["--zeropp-qgz-fraction", "0"], 1, "--zeropp-qgz-fraction must be in"),
+        (["--zeropp-qgz-error-interval", "5"], 1,
+         "--zeropp-qgz-error-interval=5 measures qgZ, which is off"),
+        (["--zeropp-qgz", "--zeropp-qgz-error-interval", "-1"], 1,
+         "--zeropp-qgz-error-interval must be an int >= 0, got -1"),
+        (["--zeropp-qgz-error-feedback"], 1,
+         "--zeropp-qgz-error-feedback=True needs qgZ, which is off"),
+        (["--zeropp-qgz-hadamard"], 1, "--zeropp-qgz-hadamard=True needs qgZ, which is off"),
+        (["--zeropp-qgz", "--zeropp-qgz-error-log", "e.jsonl"], 1,
+         "--zeropp-qgz-error-log e.jsonl needs --zeropp-qgz-error-interval > 0, got 0"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--data-path", "x"], 1, "exactly one data source"),
     ],

@@ -91,8 +91,8 @@ def _gradients(ctx, shard_grads):
                for b in buckets}
     reduce = comm.reduce_gradients
 
-    def reduce_with_abs(output, input, async_op):
-        handle = reduce(output, input, async_op)
+    def reduce_with_abs(output, input, async_op, **kwargs):
+        handle = reduce(output, input, async_op, **kwargs)
         tmp = torch.empty_like(abs_sum[id(input)])
         zero3_reduce_scatter(tmp, input.abs(), comm.dp_group)
         abs_sum[id(input)].add_(tmp)

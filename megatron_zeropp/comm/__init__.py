@@ -11,6 +11,7 @@ from .accounting import CommStats, StepCounts
 from .baseline import zero3_all_gather, zero3_reduce_scatter
 from .hpz import SecondaryPartition, SecondaryWeights, StaleSecondaryError
 from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter
+from .qgz_feedback import QgzResidual
 from .qwz import qwz_all_gather
 from .work import CommHandle
 
@@ -18,6 +19,7 @@ __all__ = [
     "CommHandle",
     "CommStats",
     "QgzPlan",
+    "QgzResidual",
     "SecondaryPartition",
     "SecondaryWeights",
     "StaleSecondaryError",

@@ -33,14 +33,23 @@ Two collectives per call (one per hop), each carrying data and scales packed tog
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_zeropp.quant import dequantize_reduce, quantized_sizes, swizzled_quantize
+from megatron_zeropp.quant import (
+    dequantize_chunks,
+    dequantize_reduce,
+    qgz_chunk_order,
+    quantize_chunks,
+    quantized_sizes,
+    swizzled_quantize,
+)
+from megatron_zeropp.quant.hadamard import check_rotation_block, rotate_blocks, unrotate_blocks
 
 from .accounting import CommStats
 from .common import (
@@ -54,6 +63,7 @@ from .common import (
     pack_rows,
     unpack_rows,
 )
+from .qgz_feedback import QgzResidual
 from .work import CommHandle, run_protocol
 
 REDUCE_SCATTER = "qgz_reduce_scatter"
@@ -136,6 +146,8 @@ def qgz_reduce_scatter(
     bits=DEFAULT_BITS,
     block_size: int = DEFAULT_BLOCK_SIZE,
     stats: Optional[CommStats] = None,
+    residual: Optional[QgzResidual] = None,
+    hadamard_seed: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """Quantized two-hop reduce-scatter; DP rank ``inter_rank * N + intra_rank`` gets its chunk.
 
@@ -149,6 +161,13 @@ def qgz_reduce_scatter(
         bits: (intra-node, inter-node) widths, each 4 or 8.
         block_size: elements per scale.
         stats: optional byte counter (protocol ``"qgz_reduce_scatter"``).
+        residual: error feedback (:mod:`.qgz_feedback`): the residuals of this input's
+            quantizations, added to the next call's; ``None`` = none kept.
+        hadamard_seed: rotate every quantization block by ``H D`` first
+            (:mod:`megatron_zeropp.quant.hadamard`; D drawn from this seed, which must be the
+            same on every rank), sum in the rotated domain through both hops, rotate this rank's
+            chunk back at the end. Each chunk is zero-padded to whole blocks for the rotation,
+            so blocks never straddle chunks; the bytes sent are the same. ``None`` = off.
     """
     check_op(op)
     check_tensor("input", input, contiguous=False)
@@ -168,11 +187,18 @@ def qgz_reduce_scatter(
             f"qgz_reduce_scatter: output has {output.numel()} elements, expected ceil(input "
             f"numel {plan.numel} / DP size {plan.dp_size}) = {plan.chunk_numel}"
         )
+    if hadamard_seed is not None:
+        if not isinstance(hadamard_seed, int) or isinstance(hadamard_seed, bool):
+            raise ValueError(f"hadamard_seed must be an int or None, got {hadamard_seed!r}")
+        check_rotation_block(block_size)
+    if residual is not None and not isinstance(residual, QgzResidual):
+        raise ValueError(f"residual must be a QgzResidual or None, got {type(residual).__name__}")
     if stats is not None:
         _record(stats, plan, intra_ranks, inter_ranks, me)
 
     def body():
-        total = _reduce(plan, input, intra_node_group, inter_node_group)
+        total = _reduce(plan, input, intra_node_group, inter_node_group, residual,
+                        hadamard_seed)
         if op == "avg":
             total.div_(plan.dp_size)
         output.view(-1).copy_(total.view(-1))
@@ -192,7 +218,9 @@ def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me) -> No
         stats.record_all_to_all(REDUCE_SCATTER, inter_ranks, me, nbytes, 4 * nblocks)
 
 
-def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group) -> torch.Tensor:
+def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
+            residual: Optional[QgzResidual] = None,
+            hadamard_seed: Optional[int] = None) -> torch.Tensor:
     """Run the hops; returns this rank's chunk of the sum, fp32, shape (1, c)."""
     x = input.reshape(-1)
     pad = plan.padded_numel - plan.numel
@@ -200,19 +228,63 @@ def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group) -> tor
         x = torch.cat([x, x.new_zeros(pad)])
     if plan.dp_size == 1:
         return x.to(torch.float32).view(1, -1)
+    if hadamard_seed is None:
+        return _hops(plan, x, intra_group, inter_group, residual)
+    bs, c = plan.block_size, plan.chunk_numel
+    cp = math.ceil(c / bs) * bs
+    rows = x.to(torch.float32).view(plan.dp_size, c)
+    if cp != c:
+        rows = torch.nn.functional.pad(rows, (0, cp - c))
+    # quantized_sizes pads each row to whole blocks anyway: the padded plan sends the same bytes.
+    padded = dataclasses.replace(plan, numel=plan.dp_size * cp, chunk_numel=cp)
+    total = _hops(padded, rotate_blocks(rows.reshape(-1), bs, hadamard_seed), intra_group,
+                  inter_group, residual)
+    return unrotate_blocks(total.reshape(-1), bs, hadamard_seed)[:c].view(1, c)
+
+
+def _hops(plan: QgzPlan, x: torch.Tensor, intra_group, inter_group,
+          residual: Optional[QgzResidual]) -> torch.Tensor:
+    """Steps 1-5 on the padded flat input ``x`` (Z * c elements)."""
     K, N, bs = plan.nodes, plan.ranks_per_node, plan.block_size
     if plan.runs_intra_hop:
-        data, scales = swizzled_quantize(x, K, N, plan.bits[0], bs)
-        rows = _intra_node_hop(plan, data, scales, intra_group)
+        data, scales = _first_quantize(x, K, N, plan.bits[0], bs, residual)
+        rows = _intra_node_hop(plan, data, scales, intra_group, residual)
     else:
         # N == 1: the hop-1 order is the identity and the only quantization is hop 2's.
-        rows = swizzled_quantize(x, K, 1, plan.bits[1], bs)
+        rows = _first_quantize(x, K, 1, plan.bits[1], bs, residual)
     if not plan.runs_inter_hop:
         return rows
     return _inter_node_hop(plan, rows, inter_group)
 
 
-def _intra_node_hop(plan: QgzPlan, data, scales, group):
+_ORDERS: Dict[Tuple[int, int, str], torch.Tensor] = {}
+
+
+def _chunk_order(K: int, N: int, device: torch.device) -> torch.Tensor:
+    # Cached per device: building it from a list is a blocking host-to-device copy on CUDA.
+    key = (K, N, str(device))
+    order = _ORDERS.get(key)
+    if order is None:
+        order = torch.tensor(qgz_chunk_order(K, N), device=device)
+        _ORDERS[key] = order
+    return order
+
+
+def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
+    """Step 1, with error feedback when ``residual`` is given (kept in input order)."""
+    if residual is None:
+        return swizzled_quantize(x, K, N, bits, bs)
+    buf = residual.buffer("send", x.numel(), x.device)
+    xr = x.to(torch.float32) + buf
+    data, scales = swizzled_quantize(xr, K, N, bits, bs)
+    c = x.numel() // (K * N)
+    order = _chunk_order(K, N, x.device)
+    sent = dequantize_chunks(data, scales, bits, bs, c, torch.float32)  # (Z, c), send order
+    buf.view(-1, c).index_copy_(0, order, xr.view(-1, c).index_select(0, order) - sent)
+    return data, scales
+
+
+def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzResidual] = None):
     """Steps 2-3. Returns requantized (data, scales) of K rows, or the fp32 sum if K == 1."""
     K, N, c, bs = plan.nodes, plan.ranks_per_node, plan.chunk_numel, plan.block_size
     send = pack_rows(data, scales)  # (Z, row bytes), in send-position order
@@ -222,11 +294,19 @@ def _intra_node_hop(plan: QgzPlan, data, scales, group):
     r_data, r_scales = unpack_rows(recv, plan.hop1_row[0], data.dtype)
     r_data = r_data.view(N, K, -1)
     r_scales = r_scales.view(N, K, -1)
-    if plan.runs_inter_hop:
+    if not plan.runs_inter_hop:
+        return dequantize_reduce(r_data, r_scales, plan.bits[0], bs, c, out_dtype=torch.float32)
+    if residual is None:
         return dequantize_reduce(
             r_data, r_scales, plan.bits[0], bs, c, out_bits=plan.bits[1], out_block_size=bs
         )
-    return dequantize_reduce(r_data, r_scales, plan.bits[0], bs, c, out_dtype=torch.float32)
+    # Error feedback on the requantization of the node partials, too.
+    partial = dequantize_reduce(r_data, r_scales, plan.bits[0], bs, c, out_dtype=torch.float32)
+    buf = residual.buffer("partial", K * c, partial.device).view(K, c)
+    partial.add_(buf)
+    rows = quantize_chunks(partial, plan.bits[1], bs)
+    buf.copy_(partial - dequantize_chunks(*rows, plan.bits[1], bs, c, torch.float32))
+    return rows
 
 
 def _inter_node_hop(plan: QgzPlan, rows, group) -> torch.Tensor:

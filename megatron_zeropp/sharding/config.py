@@ -43,6 +43,22 @@ class ZeroPPConfig:
     """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
     reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
     ``set_training_progress``; 1.0 = always."""
+    qgz_error_interval: int = 0
+    """Every this many iterations (and on iteration 1) measure each unit's relative error of the
+    qgZ reduction against an extra, uncounted fp32 reduction of the same gradients
+    (:mod:`.qgz_error`); 0 = never. Needs ``qgz``."""
+    qgz_error_feedback: bool = False
+    """Error feedback for qgZ: each rank keeps, per bucket, the fp32 residual of what it
+    quantized (hop 1's input, and hop 2's requantized node partials) and adds it to the next
+    step's input at the same place (:mod:`megatron_zeropp.comm.qgz_feedback`). Costs 4 bytes per
+    gradient element per rank (plus 4K/Z for hop 2). Needs ``qgz``."""
+    qgz_hadamard: bool = False
+    """Rotate every qgZ block by a randomized Hadamard transform before quantizing
+    (:mod:`megatron_zeropp.quant.hadamard`): outliers spread over their block, so INT4 scales
+    shrink. The sums stay rotated through both hops; one inverse rotation per output chunk.
+    Needs ``qgz``; the block size (a power of two) is the rotation size."""
+    qgz_hadamard_seed: int = 20240101
+    """Seed of the random signs of the Hadamard rotation (the same on every rank)."""
     shard_grads: bool = False
     """Reduce each unit's gradients as soon as its backward is complete, in every micro-batch,
     into a persistent fp32 shard of 1/Z; the full gradients of a unit exist only while its
@@ -56,7 +72,7 @@ class ZeroPPConfig:
     chunk is one unit (megatron-core's own buffer layout; useful for exact comparisons)."""
 
     def __post_init__(self):
-        for name in ("qwz", "hpz", "qgz", "shard_grads"):
+        for name in ("qwz", "hpz", "qgz", "shard_grads", "qgz_error_feedback", "qgz_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("qwz_bits", "qgz_intra_bits", "qgz_inter_bits"):
@@ -76,6 +92,24 @@ class ZeroPPConfig:
             )
         if not isinstance(self.qgz_fraction, (int, float)) or not 0.0 < self.qgz_fraction <= 1.0:
             raise ValueError(f"qgz_fraction must be in (0, 1], got {self.qgz_fraction!r}")
+        if (not isinstance(self.qgz_error_interval, int) or isinstance(self.qgz_error_interval, bool)
+                or self.qgz_error_interval < 0):
+            raise ValueError(
+                f"qgz_error_interval must be an int >= 0, got {self.qgz_error_interval!r}"
+            )
+        if self.qgz_error_interval and not self.qgz:
+            raise ValueError(
+                f"qgz_error_interval={self.qgz_error_interval} measures qgZ, which is off (qgz=False)"
+            )
+        if self.qgz_error_feedback and not self.qgz:
+            raise ValueError("qgz_error_feedback=True needs qgZ, which is off (qgz=False)")
+        if self.qgz_hadamard and not self.qgz:
+            raise ValueError("qgz_hadamard=True needs qgZ, which is off (qgz=False)")
+        if (not isinstance(self.qgz_hadamard_seed, int) or isinstance(self.qgz_hadamard_seed, bool)
+                or self.qgz_hadamard_seed < 0):
+            raise ValueError(
+                f"qgz_hadamard_seed must be an int >= 0, got {self.qgz_hadamard_seed!r}"
+            )
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.unit not in _UNITS:
@@ -91,8 +125,11 @@ class ZeroPPConfig:
             parts.append(f"hpZ({size})")
         if self.qgz:
             frac = "" if self.qgz_fraction == 1.0 else f" first {self.qgz_fraction:.0%}"
+            extras = " + Hadamard" if self.qgz_hadamard else ""
+            extras += " + error feedback" if self.qgz_error_feedback else ""
             parts.append(
                 f"qgZ INT{self.qgz_intra_bits}/INT{self.qgz_inter_bits}/{self.qgz_block_size}{frac}"
+                f"{extras}"
             )
         if self.shard_grads:
             parts.append("sharded grads")

@@ -183,7 +183,8 @@ class ZeroPPDataParallel(_BaseDataParallel):
         self.buffers = [CombinedBuffer(pd, gd, p) for (pd, gd), p in parts.items()]
         self.expert_parallel_buffers: list = []
         self.bucket_groups = [
-            ZeroPPBucketGroup(unit.buckets, ddp_config, self.comm) for unit in reversed(self.units)
+            ZeroPPBucketGroup(unit.buckets, ddp_config, self.comm, unit)
+            for unit in reversed(self.units)
         ]
         self.expert_parallel_bucket_groups: list = []
         self.param_to_bucket_group = {
@@ -416,7 +417,10 @@ class ZeroPPDataParallel(_BaseDataParallel):
         return self.state_dict(prefix=prefix)
 
     def load_state_dict(self, state_dict, strict=True):
-        """Load full weights; they become the new primary shards (hpZ copies go stale)."""
+        """Load full weights; they become the new primary shards (hpZ copies go stale, qgZ
+        residuals are dropped: they belonged to the gradients of other weights)."""
+        for unit in self.units:
+            unit.drop_qgz_residuals()
         with self.gathered_parameters(write_back=True):
             return self.module.load_state_dict(state_dict, strict=strict)
 
@@ -424,6 +428,25 @@ class ZeroPPDataParallel(_BaseDataParallel):
         """Tell the layer where training is, for the qgZ schedule (``qgz_fraction``)."""
         cutoff = self.zeropp.qgz_fraction * train_iters
         self.comm.qgz_active = self.zeropp.qgz and iteration < cutoff
+        if not self.comm.qgz_active:
+            for unit in self.units:
+                unit.drop_qgz_residuals()
+        interval = self.zeropp.qgz_error_interval
+        # Iteration numbers in the log are 1-based: ``iteration`` here is the one about to run.
+        n = iteration + 1
+        measure = bool(interval) and self.comm.qgz_active and (n == 1 or n % interval == 0)
+        self.comm.measure_qgz_error = measure
+        if measure:
+            self.comm.qgz_error.reset()
+
+    def qgz_error_report(self) -> Optional[dict]:
+        """After a step measured by the qgZ error diagnostic: ``{"units": {unit name:
+        relative error}, "total": relative error}`` over this DP group (one all-reduce; every
+        DP rank must call it); ``None`` on other steps (no collective)."""
+        if not self.comm.measure_qgz_error:
+            return None
+        self.comm.measure_qgz_error = False
+        return self.comm.qgz_error.report([u.name for u in self.units], self.comm.dp_group)
 
     # -- reporting ------------------------------------------------------------------------
     def comm_counts(self, reset: bool = True) -> dict:
@@ -439,6 +462,6 @@ class ZeroPPDataParallel(_BaseDataParallel):
         out = {"primary": 0, "secondary": 0, "grad": 0, "gathered": 0}
         for unit in self.units:
             for k, v in unit.persistent_bytes().items():
-                out[k] += v
+                out[k] = out.get(k, 0) + v
             out["gathered"] += unit.gathered_bytes()
         return out

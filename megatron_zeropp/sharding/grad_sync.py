@@ -34,9 +34,11 @@ class _Handles:
 class ZeroPPBucketGroup(_ParamAndGradBucketGroup):
     """A unit's buckets; grads reduced by :meth:`ShardComm.reduce_gradients`."""
 
-    def __init__(self, buckets, ddp_config, comm: ShardComm):
+    def __init__(self, buckets, ddp_config, comm: ShardComm, unit=None):
         super().__init__(buckets, ddp_config, comm.dp_group, comm.dp_size)
         self.comm = comm
+        # The owning ShardedUnit: its name for the qgZ error diagnostic, its qgZ residuals.
+        self.unit = unit
 
     def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
         """Scale and reduce-scatter every bucket's gradients (async with overlap_grad_reduce)."""
@@ -57,12 +59,15 @@ class ZeroPPBucketGroup(_ParamAndGradBucketGroup):
         async_op = bool(self.ddp_config.overlap_grad_reduce)
         z, r = self.comm.dp_size, self.comm.dp_rank
         handles = []
-        for bucket in self.buckets:
+        unit = self.unit
+        for i, bucket in enumerate(self.buckets):
             n = bucket.grad_data.numel() // z
             if z == 1:
                 continue
             handle = self.comm.reduce_gradients(
-                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op
+                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op,
+                key=None if unit is None else unit.name,
+                residual=None if unit is None else unit.qgz_residual(i),
             )
             if handle is not None:
                 handles.append(handle)

@@ -35,6 +35,7 @@ import torch
 
 from megatron_zeropp.comm import (
     CommStats,
+    QgzResidual,
     SecondaryWeights,
     StaleSecondaryError,
     qgz_reduce_scatter,
@@ -45,6 +46,7 @@ from megatron_zeropp.comm import (
 from megatron_zeropp.comm.work import run_protocol
 
 from .config import ZeroPPConfig
+from .qgz_error import QgzErrorMeter, exact_chunk
 
 PHASES = ("forward", "backward", "grad")
 
@@ -65,6 +67,10 @@ class ShardComm:
         self.dp_rank = groups.dp_ranks.index(torch.distributed.get_rank())
         self.stats: Dict[str, CommStats] = {p: CommStats(topology) for p in PHASES}
         self.qgz_active = config.qgz
+        # The qgZ error diagnostic: measured only while ``measure_qgz_error`` is set (by the
+        # layer, on the iterations --zeropp-qgz-error-interval picks).
+        self.qgz_error = QgzErrorMeter() if config.qgz_error_interval else None
+        self.measure_qgz_error = False
         self._stale_flags: Dict[torch.device, torch.Tensor] = {}
 
     def stale_flag(self, device: torch.device) -> torch.Tensor:
@@ -99,19 +105,45 @@ class ShardComm:
             )
         return zero3_all_gather(output, shard, self.dp_group, async_op, stats=self.stats[phase])
 
-    def reduce_gradients(self, output, input, async_op: bool):
-        """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them)."""
+    def reduce_gradients(self, output, input, async_op: bool, key: Optional[str] = None,
+                         residual: Optional[QgzResidual] = None):
+        """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them). ``key``
+        names the unit for the qgZ error diagnostic; ``residual`` is the bucket's qgZ error
+        feedback state (unused while qgZ is off)."""
         if self.qgz_active:
-            return qgz_reduce_scatter(
-                output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
-                bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
-                block_size=self.config.qgz_block_size, stats=self.stats["grad"],
-            )
+            if self.measure_qgz_error and key is not None:
+                return self._measured_qgz(output, input, async_op, key, residual)
+            return self._qgz(output, input, async_op, residual)
         return zero3_reduce_scatter(
             output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
         )
 
-    def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool):
+    def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None):
+        return qgz_reduce_scatter(
+            output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
+            bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
+            block_size=self.config.qgz_block_size, stats=self.stats["grad"], residual=residual,
+            hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
+        )
+
+    def _measured_qgz(self, output, input, async_op: bool, key: str,
+                      residual: Optional[QgzResidual] = None):
+        """The qgZ reduction plus the diagnostic's exact fp32 reduction of the same input, in
+        one call on the reduction lane (the exact copy is taken first: ``output`` may be a view
+        of ``input``)."""
+        meter, group, rank = self.qgz_error, self.dp_group, self.dp_rank
+
+        def body():
+            exact = exact_chunk(input, group, rank, output.numel())
+            self._qgz(output, input, False, residual)
+            meter.add(key, output, exact)
+
+        return run_protocol(body, async_op, "qgz_error_probe", input.device, lane="reduce",
+                            keep=(input,))
+
+    def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool,
+                              key: Optional[str] = None,
+                              residual: Optional[QgzResidual] = None):
         """Reduce-scatter ``full`` and add this rank's chunk, in fp32, into ``shard``.
 
         One call on the reduction lane (the temporary chunk lives and dies there); ``full`` is
@@ -125,7 +157,7 @@ class ShardComm:
 
             def body():
                 chunk = torch.empty(shard.numel(), dtype=out_dtype, device=full.device)
-                self.reduce_gradients(chunk, full, async_op=False)
+                self.reduce_gradients(chunk, full, async_op=False, key=key, residual=residual)
                 shard.add_(chunk)
 
         return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
@@ -177,6 +209,10 @@ class ShardedUnit:
             self._full_main_grads = {p: p.main_grad for p in self.params}
             self._shard_main_grads = self.chunk_views(self.grad_shards)
             self._free_grads()
+        # qgZ error feedback: one residual per bucket (allocated by its first qgZ reduction).
+        self._qgz_residuals: Optional[List[QgzResidual]] = (
+            [QgzResidual() for _ in self.buckets] if comm.config.qgz_error_feedback else None
+        )
         self.state = UnitState.GATHERED
         self.version: Optional[int] = None  # weight version of the gathered data
         self._handles: list = []
@@ -205,15 +241,33 @@ class ShardedUnit:
         self.in_backward = False
         self.grads_pending = set()
 
+    def qgz_residual(self, bucket_index: int) -> Optional[QgzResidual]:
+        """Bucket ``bucket_index``'s qgZ error-feedback state (``None`` without the flag)."""
+        if self._qgz_residuals is None:
+            return None
+        return self._qgz_residuals[bucket_index]
+
+    def drop_qgz_residuals(self) -> None:
+        """Forget the qgZ residuals (qgZ switched off, other weights loaded)."""
+        if self._qgz_residuals is None:
+            return
+        self.finish_grad_reduce()  # a reduction in flight may still write them
+        for r in self._qgz_residuals:
+            r.reset()
+
     def persistent_bytes(self) -> Dict[str, int]:
-        """Bytes this unit keeps between uses: primary shards, secondary slices, gradients,
-        read from the live storages (a freed gradient buffer counts 0)."""
-        return {
+        """Bytes this unit keeps between uses: primary shards, secondary slices, gradients
+        (and qgZ residuals with error feedback), read from the live storages (a freed gradient
+        buffer counts 0)."""
+        out = {
             "primary": sum(s.untyped_storage().nbytes() for s in self.shards),
             "secondary": self.secondary.storage_bytes() if self.secondary is not None else 0,
             "grad": sum(buf.grad_data.untyped_storage().nbytes() for buf in self.buffers)
             + sum(g.untyped_storage().nbytes() for g in self.grad_shards),
         }
+        if self._qgz_residuals is not None:
+            out["qgz_residual"] = sum(r.nbytes() for r in self._qgz_residuals)
+        return out
 
     def gathered_bytes(self) -> int:
         """Bytes of full weights currently allocated (0 when released)."""
@@ -352,10 +406,11 @@ class ShardedUnit:
             return
         self.finish_grad_reduce()
         handles = []
-        for bucket, shard in zip(self.buckets, self.grad_shards):
+        for i, (bucket, shard) in enumerate(zip(self.buckets, self.grad_shards)):
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
-            handles.append(self.comm.reduce_and_accumulate(shard, bucket.grad_data, async_op))
+            handles.append(self.comm.reduce_and_accumulate(
+                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i)))
         self._grads_live = False
         handles = [h for h in handles if h is not None]
         on_cuda = self.buckets[0].grad_data.device.type == "cuda"

@@ -161,6 +161,22 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
     g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
                    help="use qgZ for the first fraction of --train-iters only")
+    g.add_argument("--zeropp-qgz-hadamard", action="store_true",
+                   help="rotate each qgZ block by a randomized Hadamard transform before "
+                   "quantizing (smooths outliers for INT4); same bytes, one inverse rotation "
+                   "per output chunk")
+    g.add_argument("--zeropp-qgz-error-feedback", action="store_true",
+                   help="qgZ error feedback: each rank keeps the fp32 residual of what it "
+                   "quantized and adds it to the next step's gradient (4 bytes per gradient "
+                   "element per rank)")
+    g.add_argument("--zeropp-qgz-error-interval", type=int, default=0,
+                   help="diagnostic: on iteration 1 and every N-th iteration measure each "
+                   "layer's relative error of the qgZ reduction against an extra (uncounted) "
+                   "fp32 reduction of the same gradients; logged as 'qgz relative error'. "
+                   "0 = off")
+    g.add_argument("--zeropp-qgz-error-log", default=None, metavar="PATH",
+                   help="with --zeropp-qgz-error-interval: rank 0 appends one JSON line per "
+                   "measured iteration (per-layer and total relative error) to PATH")
     g.add_argument("--zeropp-shard-grads", action="store_true",
                    help="reduce each layer's gradients in every micro-batch into an fp32 shard "
                    "of 1/DP (less memory; more bytes with gradient accumulation)")
@@ -285,6 +301,9 @@ def validate(args, world_size: int) -> List[str]:
     if args.data_parallel_impl == "megatron" and zeropp_flags:
         errors.append(f"--data-parallel-impl megatron conflicts with "
                       f"{', '.join('--' + f.replace('_', '-') for f in zeropp_flags)}")
+    if args.zeropp_qgz_error_log is not None and not args.zeropp_qgz_error_interval:
+        errors.append(f"--zeropp-qgz-error-log {args.zeropp_qgz_error_log} needs "
+                      f"--zeropp-qgz-error-interval > 0, got {args.zeropp_qgz_error_interval}")
     errors += validate_profile_args(args)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or
                                             world_size % args.ranks_per_node):
@@ -323,6 +342,9 @@ def zeropp_config(args):
         qgz_inter_bits=args.zeropp_qgz_inter_bits, qgz_block_size=args.zeropp_qgz_block_size,
         qgz_fraction=args.zeropp_qgz_fraction, prefetch_depth=args.zeropp_prefetch_depth,
         unit=args.zeropp_unit, shard_grads=args.zeropp_shard_grads,
+        qgz_error_interval=args.zeropp_qgz_error_interval,
+        qgz_error_feedback=args.zeropp_qgz_error_feedback,
+        qgz_hadamard=args.zeropp_qgz_hadamard,
     )
 
 

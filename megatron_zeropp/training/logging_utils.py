@@ -67,6 +67,7 @@ def training_log_line(
     flops_per_iteration: float, world_size: int, tokens_per_iteration: int,
     log_throughput: bool = True, num_zeros: Optional[float] = None,
     params_norm: Optional[float] = None, decoupled_lr: Optional[float] = None,
+    qgz_error: Optional[float] = None,
 ) -> str:
     """One Megatron-LM training line (its fields, order and formats; throughput only with
     --log-throughput, num zeros / params norm when asked); our fields come after
@@ -100,6 +101,10 @@ def training_log_line(
     parts += [
         f"number of skipped iterations: {stats.skipped:3d}",
         f"number of nan iterations: {stats.nan:3d}",
+    ]
+    if qgz_error is not None:
+        parts.append(f"qgz relative error: {qgz_error:.4E}")
+    parts += [
         f"tokens per second: {tokens_per_s:.1f}",
         f"peak memory (GB): {peak_memory_gb():.3f}",
     ]

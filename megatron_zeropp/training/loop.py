@@ -36,6 +36,7 @@ from .model import (
 )
 from .nan_check import check_finite
 from .profiling import IterationProfiler
+from .qgz_error_log import append_qgz_error
 from .run_control import BatchRamp, ExitClock, ManualGC, params_norm
 
 
@@ -227,7 +228,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         dp_rank, dp_size, consumed, device)
     board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None, args)
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
-               "final_val_loss": [], "test_loss": []}
+               "final_val_loss": [], "test_loss": [], "qgz_error": []}
     stats = IntervalStats()
     collector = ManualGC(args)
     clock = ExitClock(args.exit_duration_in_mins, start_time)
@@ -257,6 +258,12 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
             check_finite(iteration, result.loss, result.grad_norm, result.skipped,
                          dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += batch
+        # A collective on measured iterations (every DP rank), nothing on the others.
+        qgz_error = model.qgz_error_report() if hasattr(model, "qgz_error_report") else None
+        if qgz_error is not None:
+            history["qgz_error"].append((iteration, qgz_error["total"]))
+            if rank == 0 and args.zeropp_qgz_error_log:
+                append_qgz_error(args.zeropp_qgz_error_log, iteration, qgz_error)
         stats.iterations += 1
         stats.skipped += int(result.skipped)
         if result.loss == result.loss:
@@ -288,7 +295,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
                                    loss_scale, result.grad_norm, flops, world, tokens,
                                    log_throughput=args.log_throughput,
                                    num_zeros=result.num_zeros, params_norm=norm,
-                                   decoupled_lr=_decoupled_lr(args, optimizer)))
+                                   decoupled_lr=_decoupled_lr(args, optimizer),
+                                   qgz_error=qgz_error["total"] if qgz_error else None))
             stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
             collector.eval_boundary()

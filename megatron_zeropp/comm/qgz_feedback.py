@@ -1,0 +1,47 @@
+"""Error-feedback state for qgZ (``--zeropp-qgz-error-feedback``, LoCo / EF-style).
+
+Each quantization point of a qgZ call keeps what its last quantization left out,
+``r = (x + r_prev) - dequantize(quantize(x + r_prev))``, and adds it to the next call's input at
+the same place. For a constant input the dequantized values then sum over K calls to
+``K * x - r_K``: the accumulated error stays at one call's error instead of growing K-fold.
+
+The points are hop 1's quantization of this rank's whole (padded) gradient, or hop 2's when
+there is one rank per node, and, with both hops, hop 2's requantization of the node's partial
+sums (``K`` rows of one chunk). Residuals are fp32: they are the size of the quantization error,
+and bf16 would add its own rounding (2**-9 relative) on top of every carried residual; the cost
+is 4 bytes per gradient element of hop 1 plus ``4 K / Z`` of hop 2, per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+class QgzResidual:
+    """The residuals of one qgZ input (one bucket), allocated on first use."""
+
+    def __init__(self):
+        self._buffers: Dict[str, torch.Tensor] = {}
+
+    def buffer(self, point: str, numel: int, device: torch.device) -> torch.Tensor:
+        """The fp32 residual of quantization ``point``, zeros the first time."""
+        buf = self._buffers.get(point)
+        if buf is None:
+            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            self._buffers[point] = buf
+        elif buf.numel() != numel or buf.device != torch.device(device):
+            raise ValueError(
+                f"qgZ residual {point!r} holds {buf.numel()} elements on {buf.device}, the call "
+                f"needs {numel} on {device}: one QgzResidual per bucket"
+            )
+        return buf
+
+    def reset(self) -> None:
+        """Drop the residuals (qgZ switched off, weights loaded); the next use starts at 0."""
+        self._buffers = {}
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())

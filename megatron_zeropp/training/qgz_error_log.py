@@ -1,0 +1,12 @@
+"""The qgZ error diagnostic's JSON-lines file (--zeropp-qgz-error-log)."""
+
+from __future__ import annotations
+
+import json
+
+
+def append_qgz_error(path: str, iteration: int, report: dict) -> None:
+    """Append ``{"iteration", "units": {unit: relative error}, "total"}`` as one JSON line."""
+    line = {"iteration": iteration, "units": report["units"], "total": report["total"]}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")

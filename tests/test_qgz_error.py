@@ -1,0 +1,174 @@
+"""qgZ error diagnostic (--zeropp-qgz-error-interval): what it measures, a derived bound it must
+meet, that it cannot pass when fed the wrong tensor, and that it leaves training bit-exact.
+
+Bound on the measured error, 2 nodes x 2 ranks, every hop at ``bits`` (qmax q = 7 or 127):
+a block's dequantized values never exceed its absmax, and each quantization moves an element by
+at most scale / 2 = absmax / (2q). With m_i = max |x_i| of rank i's input, hop 1 moves each
+element of the sum by at most sum_i m_i / (2q); hop 2 requantizes node partials bounded by
+sum_{i in node} m_i, so it adds at most sum_i m_i / (2q) more. Over the n elements:
+||qgz - exact|| <= sqrt(n) * sum_i m_i / q (fp32 rounding of the sums is far below this).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_zeropp.simulated_nodes import run_distributed
+from megatron_zeropp.sharding import ZeroPPConfig
+
+N = 4096  # elements per rank: 32 blocks of 128 per chunk of 1024
+
+
+def _input(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(N, generator=g) * (1.0 + rank)
+
+
+def _bound(bits: int, world: int) -> float:
+    xs = [_input(r) for r in range(world)]
+    exact = torch.stack(xs).double().sum(0)
+    q = {4: 7, 8: 127}[bits]
+    return math.sqrt(N) * sum(x.abs().max().item() for x in xs) / q / exact.norm().item()
+
+
+def _measure(ctx, bits, mode):
+    """One measured bucket reduction; returns (report, qgZ result, unmeasured qgZ result)."""
+    from megatron_zeropp.comm import zero3_reduce_scatter
+    from megatron_zeropp.sharding import unit as unit_module
+    from megatron_zeropp.sharding.unit import ShardComm
+    from megatron_zeropp.topology import build_process_groups
+
+    topology = ctx.topology(1, 1)
+    groups = build_process_groups(topology)
+    config = ZeroPPConfig(qgz=True, qgz_intra_bits=bits, qgz_inter_bits=bits,
+                          qgz_error_interval=1)
+    comm = ShardComm(config, groups, topology)
+    z, r = comm.dp_size, comm.dp_rank
+    if mode == "exact":
+        # The quantized path replaced by a full-precision reduce-scatter: nothing to measure.
+        comm._qgz = lambda out, inp, *unused: zero3_reduce_scatter(out, inp, comm.dp_group)
+    elif mode == "wrong":
+        # The measurement compares against the wrong tensor: the next rank's exact chunk.
+        real = unit_module.exact_chunk
+
+        def wrong(input, group, dp_rank, c):
+            return real(input, group, (dp_rank + 1) % z, c)
+
+        unit_module.exact_chunk = wrong
+    x = _input(ctx.rank)
+    plain = torch.empty(N // z)
+    comm.reduce_gradients(plain, x.clone(), async_op=False, key="layer")
+    comm.measure_qgz_error = True
+    measured = torch.empty(N // z)
+    handle = comm.reduce_gradients(measured, x.clone(), async_op=True, key="layer")
+    handle.wait()
+    report = comm.qgz_error.report(["layer", "never measured"], comm.dp_group)
+    return report, measured, plain, r
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {(bits, mode): run_distributed(_measure, 2, 2, args=(bits, mode))
+            for bits, mode in ((4, "qgz"), (8, "qgz"), (4, "exact"), (8, "wrong"))}
+
+
+def test_error_is_measured_within_the_derived_bound(measured):
+    for bits in (4, 8):
+        out = measured[(bits, "qgz")]
+        report = out[0][0]
+        assert all(o[0] == report for o in out)  # one figure, every rank
+        assert list(report["units"]) == ["layer"]
+        err, bound = report["total"], _bound(bits, 4)
+        print(f"INT{bits}: relative error {err:.4e}, derived bound {bound:.4e}")
+        assert 0 < err <= bound
+    assert measured[(8, "qgz")][0][0]["total"] < measured[(4, "qgz")][0][0]["total"] / 8
+
+
+def test_error_against_an_exact_reduction_is_zero_to_rounding(measured):
+    assert measured[(4, "exact")][0][0]["total"] < 1e-6
+
+
+def test_measuring_leaves_the_qgz_result_bit_exact(measured):
+    for bits in (4, 8):
+        for _, got, plain, _ in measured[(bits, "qgz")]:
+            assert torch.equal(got, plain)
+
+
+def test_the_bound_check_fails_when_fed_the_wrong_tensor(measured):
+    err = measured[(8, "wrong")][0][0]["total"]
+    assert err > _bound(8, 4), err  # the check of the first test would fail
+
+
+# -- in training: bit-exact, uncounted, measured on the right iterations -------------------------
+def _train(ctx, zeropp):
+    from zero3_runs import build, full_params, train
+
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp)
+    reports, counts = [], []
+
+    def on_step(i):
+        reports.append(wrapped.qgz_error_report())
+        c = wrapped.comm_counts(reset=True)
+        counts.append({phase: (dict(s.calls), s.total(locality="inter"),
+                               s.total(locality="intra")) for phase, s in c.items()})
+
+    results = train(wrapped, optimizer, 4, micro=1, global_batch=ctx.world_size * 2,
+                    on_step=on_step)
+    return results, full_params(wrapped), reports, counts
+
+
+@pytest.mark.parametrize("shard_grads", [False, True])
+def test_training_is_bit_exact_with_the_diagnostic(shard_grads):
+    off, on = (run_distributed(_train, 2, 2, args=(ZeroPPConfig(
+        qgz=True, shard_grads=shard_grads, qgz_error_interval=k),)) for k in (0, 3))
+    for a, b in zip(off, on):
+        assert a[0] == b[0]  # loss, grad norm, skipped per step
+        assert a[1].keys() == b[1].keys()
+        assert all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+        assert a[3] == b[3]  # the diagnostic's all-reduce is in no byte counter
+        assert all(r is None for r in a[2])
+    reports = on[0][2]
+    assert [r is not None for r in reports] == [True, False, True, False]  # iterations 1 and 3
+    for r in (reports[0], reports[2]):
+        assert 0 < r["total"] < 1 and all(0 < v < 1 for v in r["units"].values())
+        assert len(r["units"]) > 1
+    assert all(o[2] == reports for o in on)
+
+
+# -- pretrain_gpt.py: the JSON lines and the log field -------------------------------------------
+def test_log_line_field():
+    from megatron_zeropp.training.logging_utils import IntervalStats, training_log_line
+
+    line = training_log_line(3, 10, 24, IntervalStats(iterations=1, seconds=1.0), 1e-3, 8,
+                             1.0, 1.0, 1e9, 4, 512, qgz_error=0.012345)
+    assert "| qgz relative error: 1.2345E-02 |" in line
+    assert "qgz" not in training_log_line(3, 10, 24, IntervalStats(), 1e-3, 8, 1.0, 1.0,
+                                          1e9, 4, 512)
+
+
+def _pretrain(ctx, argv):
+    from megatron_zeropp.training.loop import pretrain
+
+    return pretrain(argv)["qgz_error"]
+
+
+def test_pretrain_writes_one_json_line_per_measured_iteration(tmp_path):
+    from megatron_zeropp.data.sample_corpus import prepare_sample_data
+
+    sample = str(tmp_path / "sample")
+    prepare_sample_data(sample)
+    log = tmp_path / "qgz_error.jsonl"
+    argv = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+            f"--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters 4 "
+            f"--log-interval 1 --eval-interval 1000 --eval-iters 0 --sample-data {sample} "
+            f"--ranks-per-node 2 --zeropp-qgz --zeropp-qgz-error-interval 2 "
+            f"--zeropp-qgz-error-log {log}").split()
+    out = run_distributed(_pretrain, 2, 2, args=(argv,))
+    lines = [json.loads(s) for s in log.read_text().splitlines()]
+    assert [d["iteration"] for d in lines] == [1, 2, 4]
+    assert [(d["iteration"], d["total"]) for d in lines] == out[0]
+    for d in lines:
+        assert 0 < d["total"] < 1
+        assert any("layers.1" in name for name in d["units"]), d["units"]
