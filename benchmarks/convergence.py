@@ -68,6 +68,8 @@ GPU_CONFIGS = {
     "qwz+hpz": ["--zeropp-qwz", "--zeropp-hpz"],
     "qwz+hpz+qgz": _ALL3,
     "qgz-first-50%": _ALL3 + ["--zeropp-qgz-fraction", "0.5"],
+    "qgz+error-feedback": _ALL3 + ["--zeropp-qgz-error-feedback"],
+    "qgz+hadamard": _ALL3 + ["--zeropp-qgz-hadamard"],
 }
 
 
