@@ -1,4 +1,4 @@
-"""tools/project_measured.py (project_throughput.py --measured): the per-step byte model, the
+"""tools/project_measured.py: the per-step byte model, the
 compute arithmetic and the byte check, on hand-checked inputs."""
 
 import json
@@ -129,10 +129,10 @@ def test_measurement_inputs_and_byte_check(tmp_path):
 
 def test_cli(tmp_path, capsys):
     _, path = _results(tmp_path)
-    assert P.main(["--measured", str(path)]) == 0
+    assert PM.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "- compute: 180.0 TFLOP/s per GPU (measured" in out
     assert "- intra-node: 200 GB/s per GPU (the NVLink probe)" in out
     assert out.count("| megatron |") == 6 and "Llama 70B TP8 PP4" in out
-    assert P.main(["--measured", str(path), "--tflops", "50", "--ib-link-gbit", "100"]) == 0
+    assert PM.main([str(path), "--tflops", "50", "--ib-link-gbit", "100"]) == 0
     assert "- compute: 50.0 TFLOP/s per GPU (given by --tflops)" in capsys.readouterr().out

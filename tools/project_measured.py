@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tools/project_throughput.py --measured runs/shaped/results.json [--ib-link-gbit 400]
+    python tools/project_measured.py runs/shaped/results.json [--ib-link-gbit 400]
 
 What is taken from the measurement:
 
@@ -332,18 +332,26 @@ def report(data: dict, link_gbit: float, tflops: Optional[float] = None,
 
 def main_measured(path: str, link_gbit: float, tflops: Optional[float],
                   intra_gbyte: Optional[float]) -> int:
-    """``project_throughput.py --measured``."""
+    """The command line: print :func:`report` of a ``results.json``."""
     with open(path) as f:
         data = json.load(f)
     print(report(data, link_gbit, tflops, intra_gbyte))
     return 0
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("measured")
-    p.add_argument("--ib-link-gbit", type=float, default=400.0)
-    p.add_argument("--tflops", type=float, default=None)
-    p.add_argument("--intra-gbyte", type=float, default=None)
-    a = p.parse_args()
-    raise SystemExit(main_measured(a.measured, a.ib_link_gbit, a.tflops, a.intra_gbyte))
+    p.add_argument("measured", metavar="RESULTS_JSON",
+                   help="benchmarks/gpu_shaped.py's results.json")
+    p.add_argument("--ib-link-gbit", type=float, default=400.0,
+                   help="one InfiniBand link, Gbit/s per direction (NDR 400)")
+    p.add_argument("--tflops", type=float, default=None,
+                   help="compute per GPU, TFLOP/s (default: the measured megatron-core rate)")
+    p.add_argument("--intra-gbyte", type=float, default=None,
+                   help="intra-node GB/s per GPU (default: the NVLink probe)")
+    a = p.parse_args(argv)
+    return main_measured(a.measured, a.ib_link_gbit, a.tflops, a.intra_gbyte)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,7 +3,7 @@
 Usage::
 
     python tools/project_throughput.py                  # the ZeRO++ paper's two 384-GPU settings
-    python tools/project_throughput.py --measured runs/shaped/results.json   # GPU measurements
+    python tools/project_measured.py runs/shaped/results.json   # from GPU measurements
     python tools/project_throughput.py --params 7e9 --tokens-per-gpu 4096 --gpus-per-node 8 \\
         --nodes 16 --tflops 400 --inter-gbit 400 --intra-gbyte 300 [--overlap]
 
@@ -363,24 +363,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nic-share", choices=("node", "gpu"), default="node")
     p.add_argument("--overlap", action="store_true",
                    help="custom setting: step = max(compute, comm) instead of the sum")
-    p.add_argument("--measured", metavar="JSON", default=None,
-                   help="benchmarks/gpu_shaped.py's results.json: project its measurements to "
-                        "GPT 18B and the 70B TP8 PP4 recipe (tools/project_measured.py)")
-    p.add_argument("--ib-link-gbit", type=float, default=400.0,
-                   help="with --measured: one InfiniBand link, Gbit/s per direction (NDR 400)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.measured:
-        from project_measured import main_measured
-
-        # --tflops and --intra-gbyte override the measured rates only when given explicitly.
-        given = set(argv if argv is not None else sys.argv[1:])
-        return main_measured(a.measured, a.ib_link_gbit,
-                             a.tflops if "--tflops" in given else None,
-                             a.intra_gbyte if "--intra-gbyte" in given else None)
     print(f"alpha-beta projection: P = {a.params:.3g}, {a.nodes} nodes x {a.gpus_per_node} GPUs, "
           f"compute {a.flop_factor:g}*P*tokens at {a.tflops} TFLOP/s per GPU, intra-node "
           f"{a.intra_gbyte} GB/s per GPU, alpha {a.alpha_inter_us}/{a.alpha_intra_us} us "
