@@ -137,9 +137,6 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
                       "layer spec (not importable here); use auto or local")
     if args.async_save and args.ckpt_format != "torch_dist":
         errors.append("--async-save needs --ckpt-format torch_dist (as in Megatron-LM)")
-    if args.ckpt_format == "torch_dist" and (args.save or args.load):
-        errors.append("--ckpt-format torch_dist: megatron-core dist_checkpointing is not "
-                      "implemented yet; this project saves and loads --ckpt-format torch")
     if args.use_checkpoint_args and not args.load:
         errors.append("--use-checkpoint-args needs --load")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
