@@ -30,6 +30,7 @@ The save is atomic as in the ``torch`` format (``checkpoint.begin_save`` / ``com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 from typing import List, Optional, Tuple
@@ -159,6 +160,12 @@ def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
         out[_model_key(i, len(chunks))] = unwrap_model(chunk).sharded_state_dict(
             prefix="", metadata=metadata)
     if with_optim:
+        if is_loading:
+            for opt in distributed_optimizers(optimizer):
+                if not opt.optimizer.state:
+                    # megatron-core reads the Adam step from existing state first (torch Adam,
+                    # without apex/TE); the dummy values are overwritten by the load.
+                    opt._init_optimizer_states_with_dummy_values()
         out["optimizer"] = optimizer.sharded_state_dict(out, is_loading=is_loading,
                                                         metadata=metadata)
     return out
@@ -293,10 +300,38 @@ def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> 
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _keeping_adam_steps(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
     else:
         optimizer.reload_model_params()
+
+
+@contextlib.contextmanager
+def _keeping_adam_steps(optimizer):
+    """megatron-core 0.16.1 copies every key of a parameter's optimizer state from the loaded
+    ``fully_reshardable`` tensors, which hold no ``step`` (torch Adam keeps one per parameter;
+    apex/TE's fused Adam, which megatron-core expects, does not): the load then fails with
+    ``KeyError: 'step'``. The step is set from the param groups before that, so it is kept."""
+    patched = []
+    for opt in distributed_optimizers(optimizer):
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            step = opt.optimizer.state.get(main, {}).get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
 
 
 def _unshare_adam_steps(optimizer) -> None:
