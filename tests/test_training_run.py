@@ -40,7 +40,10 @@ def _pretrain(ctx, argv, capture_at=(), kill_save_at=None):
         if iteration == kill_save_at and ctx.rank == 1:
             def die(*args, **kwargs):
                 os._exit(3)  # a node lost in the middle of writing its shard
-            checkpoint.torch.save = die
+            checkpoint.torch.save = die  # --ckpt-format torch
+            import megatron.core.dist_checkpointing as dc
+
+            dc.save = die  # torch_dist (the default)
 
     history = pretrain(argv, on_iteration=on_iteration)
     return history, captured
