@@ -93,8 +93,9 @@ def test_flat_ranges_become_contiguous_boxes():
 
 def test_resume_is_bit_exact_and_files_are_megatron_lm_s(sample_dir, tmp_path):
     save = str(tmp_path / "ckpt")
+    # bf16: 16-bit weights in "model", their fp32 main copies in "optimizer"
     full = run_distributed(_pretrain, 2, 2, args=(_argv(
-        sample_dir, 6, ZEROPP + ["--save", save, "--save-interval", "3"]),))[0][0]
+        sample_dir, 6, ZEROPP + ["--bf16", "--save", save, "--save-interval", "3"]),))[0][0]
     files = set(os.listdir(iteration_dir(save, 3)))
     assert {"metadata.json", "common.pt", ".metadata", "model_config.json"} <= files
     assert sum(f.endswith(".distcp") for f in files) >= 4  # every rank wrote its shard
@@ -107,7 +108,7 @@ def test_resume_is_bit_exact_and_files_are_megatron_lm_s(sample_dir, tmp_path):
         common.keys()
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     resumed = run_distributed(_pretrain, 2, 2, args=(_argv(
-        sample_dir, 6, ZEROPP + ["--load", save, "--ckpt-step", "3"]),))[0][0]
+        sample_dir, 6, ZEROPP + ["--bf16", "--load", save, "--ckpt-step", "3"]),))[0][0]
     assert resumed["iterations"] == [4, 5, 6]
     # dropout is on (0.1): equality needs the RNG states and every Adam step count restored
     assert resumed["loss"] == full["loss"][3:]
@@ -167,3 +168,23 @@ def test_the_parameter_comparison_sees_a_wrong_load(saved, sample_dir):
     fresh = out[0][1][1]
     assert fresh.keys() == params.keys()
     assert not any(torch.equal(fresh[k], params[k]) for k in params if params[k].numel() > 64)
+
+
+def test_a_pipeline_layout_loads_the_same_parameters_and_trains(saved, sample_dir):
+    # PP 2 x DP 2: each stage numbers its layers from 0 and the last stage holds its own copy of
+    # the tied output weight (megatron-core stores it under the embedding's key).
+    save, params, first_losses = saved
+    out = run_distributed(_pretrain, 2, 2, args=(_argv(
+        sample_dir, 5, ZEROPP + ["--pipeline-model-parallel-size", "2", "--load", save,
+                                 "--use-checkpoint-opt_param-scheduler"]),),
+        kwargs={"capture_at": (3,)})
+    first, last = out[0][1][3], out[-1][1][3]
+    renamed = {k.replace("decoder.layers.0.", "decoder.layers.1.").replace(
+        "output_layer.weight", "embedding.word_embeddings.weight"): v for k, v in last.items()}
+    assert set(first) | set(renamed) == set(params)
+    assert all(torch.equal(first[k], params[k]) for k in first)
+    assert all(torch.equal(renamed[k], params[k]) for k in renamed)
+    history = out[-1][0]
+    assert history["iterations"] == [4, 5]
+    assert all(torch.isfinite(torch.tensor(history["loss"])))
+    assert history["loss"][-1] < first_losses[0]

@@ -191,10 +191,15 @@ def _config_from_common(directory: str) -> Dict[str, object]:
     args = dist_checkpointing.load_common_state_dict(directory).get("args")
     if args is None:
         raise StartupError(f"{directory} records no arguments: cannot tell which model it holds")
-    defaults = {"group_query_attention": False, "num_query_groups": None, "swiglu": False,
-                "untie_embeddings_and_output_weights": False, "disable_bias_linear": False,
-                "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
-                "bf16": False, "fp16": False}
+    # An absent on/off flag is off (argparse's store_true); any other absent field compares as
+    # None, so it is reported rather than guessed.
+    defaults = {name: None for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "padded_vocab_size", "max_position_embeddings", "position_embedding_type",
+        "normalization", "tensor_model_parallel_size", "pipeline_model_parallel_size")}
+    defaults.update(dict.fromkeys(("group_query_attention", "swiglu", "bf16", "fp16",
+                                   "untie_embeddings_and_output_weights",
+                                   "disable_bias_linear"), False))
     import argparse
 
     return model_config(argparse.Namespace(**{**defaults, **vars(args)}))
