@@ -1,7 +1,7 @@
-"""``--ckpt-format torch_dist`` through pretrain_gpt.py's loop on gloo processes (2 simulated nodes x
-2 ranks, tiny GPT): Megatron-LM's files and keys, bit-exact resume, a killed save, and loading into
-other layouts (TP, data-parallel implementation, ZeRO++ flags off) with the parameters compared
-exactly after gathering them whole."""
+"""``--ckpt-format torch_dist`` through pretrain_gpt.py's loop on gloo processes (2 simulated
+nodes x 2 ranks, tiny GPT): Megatron-LM's files and keys, bit-exact resume, a killed save, and
+loading into other layouts (TP, PP, data-parallel implementation, ZeRO++ flags off) with the
+parameters compared exactly after gathering them whole."""
 
 import contextlib
 import os
@@ -188,3 +188,19 @@ def test_a_pipeline_layout_loads_the_same_parameters_and_trains(saved, sample_di
     assert history["iterations"] == [4, 5]
     assert all(torch.isfinite(torch.tensor(history["loss"])))
     assert history["loss"][-1] < first_losses[0]
+
+
+def test_the_megatron_core_ddp_path_saves_what_zeropp_loads(sample_dir, tmp_path):
+    # --data-parallel-impl megatron saves through megatron-core's own sharded_state_dict methods
+    # (the optimizer gathered into fully_reshardable), as Megatron-LM would.
+    save = str(tmp_path / "ckpt")
+    first = run_distributed(_pretrain, 1, 2, args=(_argv(
+        sample_dir, 2, ["--data-parallel-impl", "megatron", "--save", save]),),
+        kwargs={"capture_at": (2,)})
+    second = run_distributed(_pretrain, 1, 2, args=(_argv(
+        sample_dir, 3, ZEROPP + ["--load", save, "--use-checkpoint-opt_param-scheduler"]),),
+        kwargs={"capture_at": (2,)})
+    params, loaded = first[0][1][2], second[0][1][2]
+    assert loaded.keys() == params.keys()
+    assert all(torch.equal(loaded[k], params[k]) for k in params)
+    assert second[0][0]["iterations"] == [3]

@@ -139,7 +139,6 @@ def megatron_lm_checkpoint(tmp_path_factory):
 
 
 def test_megatron_lm_checkpoint_loads_into_zeropp_and_continues_exactly(megatron_lm_checkpoint):
-    from megatron_zeropp.sharding import ZeroPPConfig
 
     root, params, reference = megatron_lm_checkpoint
     out = run_distributed(_zeropp_load, 1, 2, args=(root, _exact()))
@@ -161,7 +160,6 @@ def test_megatron_lm_checkpoint_loads_into_all_zeropp_flags(megatron_lm_checkpoi
 
 
 def test_megatron_lm_default_optimizer_format_is_refused_with_the_way_out(tmp_path):
-    from megatron_zeropp.sharding import ZeroPPConfig
     from megatron_zeropp.simulated_nodes import DistributedFailure
 
     root = str(tmp_path / "ckpt")
@@ -173,7 +171,6 @@ def test_megatron_lm_default_optimizer_format_is_refused_with_the_way_out(tmp_pa
 
 
 def test_zeropp_checkpoint_loads_into_megatron_lm_and_continues_exactly(tmp_path):
-    from megatron_zeropp.sharding import ZeroPPConfig
 
     root = str(tmp_path / "ckpt")
     saved = run_distributed(_zeropp_save, 1, 2, args=(root, _exact()))
@@ -187,7 +184,6 @@ def test_zeropp_checkpoint_loads_into_megatron_lm_and_continues_exactly(tmp_path
 def test_the_exact_comparisons_can_fail(megatron_lm_checkpoint):
     # Negative control: weights alone (--no-load-optim) give the same parameters but fresh Adam
     # moments, and the continued losses must then differ from the reference.
-    from megatron_zeropp.sharding import ZeroPPConfig
 
     root, params, reference = megatron_lm_checkpoint
     _, loaded, losses = run_distributed(_zeropp_load, 1, 2, args=(root, _exact(),

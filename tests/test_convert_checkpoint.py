@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from test_checkpoint_dist import _argv, _pretrain
 
 from megatron_zeropp.simulated_nodes import run_distributed
-from test_checkpoint_dist import _argv, _pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = ["--ckpt-format", "torch"]

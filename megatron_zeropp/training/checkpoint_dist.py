@@ -63,16 +63,16 @@ def _is_zero(chunk) -> bool:
     return hasattr(chunk, "units")
 
 
-def _groups():
-    from megatron.core import parallel_state as ps
+def _ps():
+    from megatron.core import parallel_state
 
-    return ps
+    return parallel_state
 
 
 def _metadata() -> dict:
     # What Megatron-LM's _build_sharded_state_dict_metadata passes with --use-distributed-optimizer
     # and --dist-ckpt-optim-fully-reshardable; the group is dropped before it is stored.
-    ps = _groups()
+    ps = _ps()
     return {"distrib_optim_sharding_type": SHARDING_TYPE,
             "distrib_optim_fully_reshardable_mem_efficient": False,
             "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
@@ -88,7 +88,7 @@ def _rng_state(data):
     (same seeds, same draws), so DP rank 0's is stored."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    ps = _groups()
+    ps = _ps()
     return ShardedObject(
         "rng_state", data,
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
@@ -183,7 +183,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     """
     from megatron.core import dist_checkpointing
 
-    ps = _groups()
+    ps = _ps()
     metadata = _metadata()
     stored_args = argparse.Namespace(**vars(args))
     stored_args.consumed_train_samples = consumed_samples
@@ -254,7 +254,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
         raise ValueError(f"{directory} is not a torch_dist checkpoint (no metadata.json)")
     common = read_common(root, it)
     ckpt_args = common.get("args") or argparse.Namespace()
-    ps = _groups()
+    ps = _ps()
     same_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
                   getattr(ckpt_args, "pipeline_model_parallel_size", 1)) == (
         ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
@@ -285,7 +285,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
 def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> None:
     """Put what was loaded into the model and optimizer (Megatron-LM's order)."""
     if zero:
-        for i, chunk in enumerate(chunks):
+        for i in range(len(chunks)):
             key = _model_key(i, len(chunks))
             copy_loaded(request[key], loaded[key])
         opt = _single_optimizer(optimizer)

@@ -1,4 +1,6 @@
-"""Convert a checkpoint between ``--ckpt-format torch`` and ``torch_dist`` (tools/convert_checkpoint.py).
+"""Convert a checkpoint between ``--ckpt-format torch`` and ``torch_dist``.
+
+Behind tools/convert_checkpoint.py.
 
 The model, optimizer and LR schedule are rebuilt from the arguments stored in the input checkpoint
 (this project's, or Megatron-LM's for torch_dist input), loaded in the input's format and saved in

@@ -201,7 +201,8 @@ OPTIMIZER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 def zero_optimizer_param_state(opt, chunk, templates, allocate: bool = False) -> dict:
     """The ``param_state`` of a DistributedOptimizer over ZeRO shards in ``fully_reshardable``
-    keys, each rank's boxes only. ``allocate`` creates missing Adam moments (zeros, to load into)."""
+    keys, each rank's boxes only. ``allocate`` creates missing Adam moments (zeros, to load
+    into)."""
     ranges = zero_param_ranges(chunk)
     state = {}
     index = 0
