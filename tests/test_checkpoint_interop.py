@@ -86,6 +86,17 @@ def _zeropp_load(ctx, root, zeropp, load_optim=True):
     return (it, consumed), params, train(wrapped, optimizer, STEPS, data_seed=1)
 
 
+def _megatron_impl_load(ctx, root):
+    """This project's loader with --data-parallel-impl megatron (megatron-core's DDP)."""
+    from zero3_runs import build, full_params, train
+
+    from megatron_zeropp.training import checkpoint_dist
+
+    _, wrapped, optimizer = build(ctx, 1, 1, "megatron")
+    checkpoint_dist.load_checkpoint(root, [wrapped], optimizer, load_rng=False)
+    return full_params(wrapped), train(wrapped, optimizer, STEPS, data_seed=1)
+
+
 def _zeropp_save(ctx, root, zeropp):
     from zero3_runs import build, full_params, train
 
@@ -163,11 +174,16 @@ def test_megatron_lm_default_optimizer_format_is_refused_with_the_way_out(tmp_pa
     from megatron_zeropp.simulated_nodes import DistributedFailure
 
     root = str(tmp_path / "ckpt")
-    params = run_distributed(_megatron_lm_save, 1, 2, args=(root, "dp_reshardable"))[0][0]
+    params, reference = run_distributed(_megatron_lm_save, 1, 2, args=(root, "dp_reshardable"))[0]
     with pytest.raises(DistributedFailure, match="--dist-ckpt-optim-fully-reshardable"):
         run_distributed(_zeropp_load, 1, 2, args=(root, _exact()))
     _, loaded, _ = run_distributed(_zeropp_load, 1, 2, args=(root, _exact(), False))[0]
     assert _same(loaded, params)  # --no-load-optim: the weights alone
+    # --data-parallel-impl megatron at the same layout reads the bucket format (megatron-core's
+    # own loader) and continues exactly
+    loaded, losses = run_distributed(_megatron_impl_load, 1, 2, args=(root,))[0]
+    assert _same(loaded, params)
+    assert losses == reference
 
 
 def test_zeropp_checkpoint_loads_into_megatron_lm_and_continues_exactly(tmp_path):

@@ -300,7 +300,9 @@ def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> 
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     if load_optim:
-        with _keeping_adam_steps(optimizer):
+        # no_grad: megatron-core's dp_reshardable loader copies into fp32 shard views of the
+        # parameters (fp32 models) without it, which autograd refuses.
+        with _keeping_adam_steps(optimizer), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
     else:
@@ -309,10 +311,11 @@ def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> 
 
 @contextlib.contextmanager
 def _keeping_adam_steps(optimizer):
-    """megatron-core 0.16.1 copies every key of a parameter's optimizer state from the loaded
-    ``fully_reshardable`` tensors, which hold no ``step`` (torch Adam keeps one per parameter;
-    apex/TE's fused Adam, which megatron-core expects, does not): the load then fails with
-    ``KeyError: 'step'``. The step is set from the param groups before that, so it is kept."""
+    """Keep the Adam ``step`` that megatron-core 0.16.1 just set from the checkpoint's param
+    groups when it then copies the per-parameter tensors. torch's Adam keeps a ``step`` per
+    parameter (apex/TE's fused Adam, which megatron-core expects, does not), and those tensors
+    hold none (``fully_reshardable``: ``KeyError: 'step'``) or the pre-load dummy state's
+    (``dp_reshardable``: the step silently reverts to 1, and Adam's bias correction with it)."""
     patched = []
     for opt in distributed_optimizers(optimizer):
         original = opt._set_main_param_and_optimizer_states
@@ -321,7 +324,7 @@ def _keeping_adam_steps(optimizer):
             group, order = opt.model_param_group_index_map[model_param]
             main = opt.optimizer.param_groups[group]["params"][order]
             step = opt.optimizer.state.get(main, {}).get("step")
-            if step is not None and "step" not in tensors:
+            if step is not None:
                 tensors = {**tensors, "step": step}
             original(model_param, tensors)
 
