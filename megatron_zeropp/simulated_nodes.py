@@ -92,6 +92,9 @@ class WorkerContext:
 
 def _worker(fn, args, kwargs, rank, world, nodes, rpn, store_path, scratch, timeout_s, env, q):
     try:
+        # Its own process group, so that cleanup also reaches what it started (megatron-core's
+        # checkpoint writer forks per file and keeps a manager process).
+        os.setpgid(0, 0)
         os.environ.update(env)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import warnings
@@ -167,7 +170,9 @@ def run_distributed(
                     fn, tuple(args), dict(kwargs or {}), rank, world, nodes, ranks_per_node,
                     store_path, scratch, ctimeout, dict(env or {}), q,
                 ),
-                daemon=True,
+                # Not daemonic: megatron-core's checkpoint writer forks a process per file, which
+                # a daemonic process may not do. Workers are killed below, whatever happens.
+                daemon=False,
             )
             for rank in range(world)
         ]
@@ -181,7 +186,18 @@ def run_distributed(
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
+                _kill_group(p.pid)
             q.close()
+
+
+def _kill_group(pid: int) -> None:
+    """Kill what is left of a worker's process group (children of a worker that was killed)."""
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _collect(procs, q, world, timeout) -> List[Any]:

@@ -29,7 +29,10 @@ def _hook():
 
             def die(*args, **kwargs):
                 os._exit(9)
-            checkpoint.torch.save = die
+            checkpoint.torch.save = die  # --ckpt-format torch
+            import megatron.core.dist_checkpointing as dc
+
+            dc.save = die  # torch_dist (the default)
         if kind == "nan" and iteration == nums[0]:
             from megatron_zeropp.training import gpt_step
 

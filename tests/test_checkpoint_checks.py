@@ -107,6 +107,28 @@ def test_checkpoints_without_model_config_are_checked_from_their_arguments(tmp_p
         cc.check_model_config(str(tmp_path), 3, cc.model_config(wider))
 
 
+def test_megatron_lm_torch_dist_checkpoints_are_checked_from_common_pt(tmp_path):
+    # Megatron-LM writes no model_config.json: its argparse.Namespace sits in common.pt. TP/PP
+    # may differ for torch_dist (it reshards); the model may not.
+    saved = parse_args(BASE + ["--tensor-model-parallel-size", "1"], world_size=1)
+    saved.padded_vocab_size = 128
+    directory = tmp_path / "iter_0000004"
+    os.makedirs(directory)
+    with open(directory / "metadata.json", "w") as f:
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+                '"common_backend": "torch", "common_backend_version": 1}')
+    torch.save({"args": argparse.Namespace(**vars(saved))}, str(directory / "common.pt"))
+    two_tp = parse_args(BASE + ["--tensor-model-parallel-size", "2"], world_size=2)
+    two_tp.padded_vocab_size = 128
+    cc.check_model_config(str(tmp_path), 4, cc.model_config(two_tp), layout_free=True)
+    with pytest.raises(StartupError, match="--tensor-model-parallel-size checkpoint 1 vs"):
+        cc.check_model_config(str(tmp_path), 4, cc.model_config(two_tp))
+    deeper = parse_args([a if a != "2" else "3" for a in BASE], world_size=1)
+    deeper.padded_vocab_size = 128
+    with pytest.raises(StartupError, match="--num-layers checkpoint 2 vs this run 3"):
+        cc.check_model_config(str(tmp_path), 4, cc.model_config(deeper), layout_free=True)
+
+
 def _scheduler(train_iters):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

@@ -49,7 +49,8 @@ def test_iteration_based_schedule_in_samples():
         (["--train-iters", "5", "--num-layers-per-virtual-pipeline-stage", "1"],
          "--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule"),
         (["--train-iters", "5", "--fp8-param-gather"], "--fp8-param-gather: fp8 needs"),
-        (["--train-iters", "5", "--async-save"], "--async-save needs --ckpt-format torch_dist"),
+        (["--train-iters", "5", "--async-save", "--ckpt-format", "torch"],
+         "--async-save needs --ckpt-format torch_dist"),
         (["--train-iters", "5", "--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
         (["--train-iters", "5", "--tokenizer-type", "GPT2BPETokenizer"],
          "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
@@ -117,7 +118,8 @@ def test_exit_duration_saves_and_stops_then_finetune_starts_at_zero(tmp_path):
     save = str(tmp_path / "ckpt")
     # A limit already passed after the first step: every rank stops there, after saving.
     first = run_distributed(_pretrain, 1, 2, args=(_argv(tmp_path, [
-        "--save", save, "--exit-duration-in-mins", "1e-9", "--no-save-optim"]),))[0]
+        "--save", save, "--exit-duration-in-mins", "1e-9", "--no-save-optim",
+        "--ckpt-format", "torch"]),))[0]
     assert first["iterations"] == [1]
     assert latest_iteration(save) == 1
     state = torch.load(os.path.join(iteration_dir(save, 1), "mp_rank_00_000_dp_000.pt"),

@@ -56,8 +56,7 @@ def llama3_8b(ckpt, tensorboard, cpu_ready=False):
     4096 -> 64, ffn 14336 -> 224, heads 32 -> 4, groups 8 -> 2, kv-channels 128 -> 16, sequence
     8192 -> 64, vocabulary 128256 -> 256, global batch 128 -> 8, samples 1953125000 -> 128
     (decay 120, warmup 16), lr x10, 8 GPUs -> 2 ranks. ``cpu_ready`` drops what needs
-    Transformer Engine (fp8, the fused attention backend) and asks for the
-    torch checkpoint format (torch_dist is not implemented yet)."""
+    Transformer Engine (fp8, the fused attention backend)."""
     argv = [
         "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64",
         "--ffn-hidden-size", "224", "--num-attention-heads", "4", "--group-query-attention",
@@ -84,9 +83,8 @@ def llama3_8b(ckpt, tensorboard, cpu_ready=False):
         "--profile-step-end", "6", "--distributed-timeout-minutes", "60",
         "--save", ckpt, "--load", ckpt, "--tensorboard-dir", tensorboard,
     ]
-    if cpu_ready:
-        return argv + ["--ckpt-format", "torch"]
-    return argv + LLAMA_NEEDS_TE + LLAMA_FP8 + ["--ckpt-format", "torch_dist"]
+    argv += ["--ckpt-format", "torch_dist"]
+    return argv if cpu_ready else argv + LLAMA_NEEDS_TE + LLAMA_FP8
 
 
 @pytest.fixture()
@@ -133,7 +131,6 @@ def test_llama_fp8_fails_at_the_door_naming_each_flag(tmp_path, capsys):
     err = _parse_error(llama3_8b(str(tmp_path / "ckpt"), str(tmp_path / "tb")), 2, capsys)
     assert "--fp8-format hybrid: fp8 needs Transformer Engine, which is not importable" in err
     assert "--attention-backend fused: needs Transformer Engine" in err
-    assert "--ckpt-format torch_dist: megatron-core dist_checkpointing is not implemented" in err
     assert "unrecognized arguments" not in err
     # Negative control: the CPU-ready set parses.
     parse_args(llama3_8b(str(tmp_path / "ckpt"), str(tmp_path / "tb"), cpu_ready=True), 2)

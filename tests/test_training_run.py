@@ -1,5 +1,6 @@
 """pretrain_gpt.py's loop on 4 CPU processes (2 simulated nodes x 2): training with all ZeRO++
-flags, bit-exact resume, resume with another DP layout, and a save killed half-way."""
+flags, and for ``--ckpt-format torch`` bit-exact resume, resume with another DP layout, and a save
+killed half-way (test_checkpoint_dist.py does the same for torch_dist, the default)."""
 
 import os
 
@@ -25,7 +26,7 @@ def _argv(sample_dir, iters, extra=()):
     return (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
             f"--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters {iters} "
             f"--log-interval 1 --eval-interval 1000 --eval-iters 0 --sample-data {sample_dir} "
-            f"--ranks-per-node 2").split() + list(extra)
+            f"--ranks-per-node 2 --ckpt-format torch").split() + list(extra)
 
 
 def _pretrain(ctx, argv, capture_at=(), kill_save_at=None):

@@ -136,25 +136,39 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     ``save_optim=False`` (--no-save-optim) leaves out the Adam moments, LR scheduler and loss
     scaler (the fp32 main weights stay: they are the weights); ``save_rng=False`` the RNG states.
     """
-    checkpoint_checks.check_save_iteration(root, iteration, overwrite)
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
-        os.makedirs(tmp)
-        if model_config is not None:
-            checkpoint_checks.write_model_config(tmp, model_config)
-    dist.barrier()
+    tmp = begin_save(root, iteration, overwrite, model_config)
     lay = _layout()
     state = _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra,
                         save_optim, save_rng)
     path = os.path.join(tmp, _rank_file(lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]))
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
+    return commit_save(root, iteration)
+
+
+def begin_save(root: str, iteration: int, overwrite: bool,
+               model_config: Optional[dict] = None) -> str:
+    """First half of an atomic save (every rank calls, either format): the checks, then rank 0
+    makes a fresh ``iter_XXXXXXX.tmp`` for the ranks to write into; returns its path."""
+    checkpoint_checks.check_save_iteration(root, iteration, overwrite)
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+        os.makedirs(tmp)
+        if model_config is not None:
+            checkpoint_checks.write_model_config(tmp, model_config)
     dist.barrier()
-    if rank == 0:
+    return tmp
+
+
+def commit_save(root: str, iteration: int) -> str:
+    """Second half (every rank calls once its part is written): rank 0 renames the ``.tmp``
+    directory, then rewrites ``latest_checkpointed_iteration.txt`` (write + rename)."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    dist.barrier()
+    if dist.get_rank() == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -140,8 +140,13 @@ def write_model_config(directory: str, config: Dict[str, object]) -> None:
         json.dump(config, f, indent=1, sort_keys=True)
 
 
-def check_model_config(load: str, iteration: int, current: Dict[str, object]) -> None:
-    """Raise listing every field where the checkpoint's model differs from this run's."""
+LAYOUT_KEYS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size")
+
+
+def check_model_config(load: str, iteration: int, current: Dict[str, object],
+                       layout_free: bool = False) -> None:
+    """Raise listing every field where the checkpoint's model differs from this run's
+    (``layout_free``: TP/PP may differ, as torch_dist checkpoints reshard)."""
     path = os.path.join(_iteration_dir(load, iteration), MODEL_CONFIG)
     if os.path.exists(path):
         try:
@@ -149,10 +154,13 @@ def check_model_config(load: str, iteration: int, current: Dict[str, object]) ->
                 saved = json.load(f)
         except (OSError, ValueError) as e:
             raise StartupError(f"{path} is unreadable: {e}") from None
+    elif os.path.exists(os.path.join(_iteration_dir(load, iteration), "metadata.json")):
+        saved = _config_from_common(_iteration_dir(load, iteration))
     else:
         saved = _config_from_rank_file(_iteration_dir(load, iteration))
     diffs = [f"{key} checkpoint {saved.get(key)!r} vs this run {value!r}"
-             for key, value in current.items() if saved.get(key) != value]
+             for key, value in current.items()
+             if saved.get(key) != value and not (layout_free and key in LAYOUT_KEYS)]
     if diffs:
         raise StartupError(f"checkpoint {_iteration_dir(load, iteration)} holds another model: "
                            + "; ".join(diffs))
@@ -174,6 +182,27 @@ def _config_from_rank_file(directory: str) -> Dict[str, object]:
     if not args:
         raise StartupError(f"{files[0]} records no arguments: cannot tell which model it holds")
     return model_config(argparse.Namespace(**args))
+
+
+def _config_from_common(directory: str) -> Dict[str, object]:
+    # A torch_dist checkpoint written by Megatron-LM: its arguments are in common.pt.
+    from megatron.core import dist_checkpointing
+
+    args = dist_checkpointing.load_common_state_dict(directory).get("args")
+    if args is None:
+        raise StartupError(f"{directory} records no arguments: cannot tell which model it holds")
+    # An absent on/off flag is off (argparse's store_true); any other absent field compares as
+    # None, so it is reported rather than guessed.
+    defaults = {name: None for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "padded_vocab_size", "max_position_embeddings", "position_embedding_type",
+        "normalization", "tensor_model_parallel_size", "pipeline_model_parallel_size")}
+    defaults.update(dict.fromkeys(("group_query_attention", "swiglu", "bf16", "fp16",
+                                   "untie_embeddings_and_output_weights",
+                                   "disable_bias_linear"), False))
+    import argparse
+
+    return model_config(argparse.Namespace(**{**defaults, **vars(args)}))
 
 
 def load_scheduler(scheduler, state: dict, override: bool, use_checkpoint: bool) -> str:

@@ -14,9 +14,8 @@ import torch.distributed as dist
 from megatron_zeropp.backend import default_device, init_distributed, init_megatron
 from megatron_zeropp.topology import build_topology
 
-from . import checkpoint_checks
+from . import checkpoint, checkpoint_checks, checkpoint_dist
 from .arguments import parse_args, print_args
-from .checkpoint import load_checkpoint, save_checkpoint, saved_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
 from .gpt_step import eval_step, train_step
 from .logging_utils import (
@@ -156,6 +155,8 @@ def _load(args, load_iteration, chunks, optimizer, scheduler):
     if load_iteration is None:
         return 0, 0
     finetune = args.finetune
+    dist_format = checkpoint_dist.checkpoint_format(args.load, load_iteration) == "torch_dist"
+    load_checkpoint = (checkpoint_dist if dist_format else checkpoint).load_checkpoint
     iteration, consumed = load_checkpoint(
         args.load, chunks, optimizer, scheduler, load_iteration,
         load_optim=not (args.no_load_optim or finetune),
@@ -180,7 +181,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
     if args.use_checkpoint_args:
-        apply_checkpoint_args(args, saved_args(args.load, args.ckpt_step))
+        apply_checkpoint_args(args, _saved_args(args.load, args.ckpt_step))
     load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional,
                                                     args.save)
     # --finetune starts counting at 0 again: a save target holding later iterations is refused.
@@ -197,8 +198,11 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
     tokenizer, (train_ds, valid_ds, test_ds) = _setup_data(args, tokenizer_args)
     if load_iteration is not None:
-        checkpoint_checks.check_model_config(args.load, load_iteration,
-                                             checkpoint_checks.model_config(args))
+        # torch_dist checkpoints reshard: their TP/PP need not match this run's.
+        checkpoint_checks.check_model_config(
+            args.load, load_iteration, checkpoint_checks.model_config(args),
+            layout_free=checkpoint_dist.checkpoint_format(args.load, load_iteration)
+            == "torch_dist")
     if rank == 0:
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
@@ -317,10 +321,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         timed_out = clock.expired(device)
         if args.save and ((args.save_interval and iteration % args.save_interval == 0)
                           or last or exiting or timed_out):
-            save_checkpoint(args.save, iteration, consumed, chunks, optimizer, scheduler,
-                            extra={"args": vars(args)}, overwrite=args.overwrite_checkpoints,
-                            model_config=checkpoint_checks.model_config(args),
-                            save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+            _save(args, iteration, consumed, chunks, optimizer, scheduler)
             _log(f"> saved checkpoint of iteration {iteration} to {args.save}")
         if timed_out:
             _log(f"> exiting program after {clock.elapsed_minutes():.2f} minutes "
@@ -335,6 +336,27 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     collector.stop()
     board.flush()
     return history
+
+
+def _saved_args(load: str, step: Optional[int]) -> dict:
+    it = checkpoint_checks.latest_iteration(load) if step is None else step
+    if it is not None and checkpoint_dist.checkpoint_format(load, it) == "torch_dist":
+        return checkpoint_dist.saved_args(load, it)
+    return checkpoint.saved_args(load, step)
+
+
+def _save(args, iteration, consumed, chunks, optimizer, scheduler) -> None:
+    common = dict(overwrite=args.overwrite_checkpoints,
+                  model_config=checkpoint_checks.model_config(args),
+                  save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+    if args.ckpt_format == "torch_dist":
+        # Megatron-LM sums each iteration's FLOPs; the formula is linear in tokens.
+        flops = num_floating_point_operations(args, consumed * args.seq_length)
+        checkpoint_dist.save_checkpoint(args.save, iteration, consumed, chunks, optimizer,
+                                        scheduler, args, flops, **common)
+    else:
+        checkpoint.save_checkpoint(args.save, iteration, consumed, chunks, optimizer, scheduler,
+                                   extra={"args": vars(args)}, **common)
 
 
 def _decoupled_lr(args, optimizer):

@@ -80,7 +80,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-workers", type=int, default=2)
 
     g = p.add_argument_group("Megatron-LM: checkpointing")
-    g.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch")
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch_dist",
+                   help="torch_dist: megatron-core dist_checkpointing, Megatron-LM's default "
+                        "(loads at other TP/PP/DP); torch: one file per rank (DP reshardable). "
+                        "Loading reads either, whatever this says")
     g.add_argument("--async-save", action="store_true")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--use-checkpoint-args", action="store_true")
@@ -137,9 +140,9 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
                       "layer spec (not importable here); use auto or local")
     if args.async_save and args.ckpt_format != "torch_dist":
         errors.append("--async-save needs --ckpt-format torch_dist (as in Megatron-LM)")
-    if args.ckpt_format == "torch_dist" and (args.save or args.load):
-        errors.append("--ckpt-format torch_dist: megatron-core dist_checkpointing is not "
-                      "implemented yet; this project saves and loads --ckpt-format torch")
+    elif args.async_save:
+        warnings.append("--async-save: checkpoints are written synchronously (megatron-core's "
+                        "async writer is not wired in); the files are the same")
     if args.use_checkpoint_args and not args.load:
         errors.append("--use-checkpoint-args needs --load")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:

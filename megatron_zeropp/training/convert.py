@@ -1,0 +1,126 @@
+"""Convert a checkpoint between ``--ckpt-format torch`` and ``torch_dist``.
+
+Behind tools/convert_checkpoint.py.
+
+The model, optimizer and LR schedule are rebuilt from the arguments stored in the input checkpoint
+(this project's, or Megatron-LM's for torch_dist input), loaded in the input's format and saved in
+the other, with the same iteration, optimizer state, schedule and RNG states. Runs as a normal
+distributed job (torchrun) or as one process. Layouts:
+
+* the output's TP/PP are the input's unless given; DP is what the job's world size leaves;
+* ``torch`` input must be read with its own TP/PP (that format reshards DP only); ``torch_dist``
+  input reads into any TP/PP/DP;
+* the data-parallel implementation is the input's (``--data-parallel-impl`` when it was stored,
+  else ZeRO-3 without qwZ/hpZ/qgZ); both write the same files;
+* RNG states carry over when the job has the input's layout (``torch`` stores one per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from megatron_zeropp.backend import init_distributed, init_megatron
+from megatron_zeropp.topology import build_topology
+
+from . import checkpoint, checkpoint_checks, checkpoint_dist
+from .arguments import parse_args
+from .megatron_lm_flags import CHECKPOINT_ARGS
+from .model import (
+    build_gpt,
+    build_optimizer,
+    num_floating_point_operations,
+    transformer_config,
+    wrap_data_parallel,
+)
+
+FORMATS = ("torch", "torch_dist")
+
+
+def _stored_args(root: str, iteration: int, fmt: str) -> dict:
+    if fmt == "torch_dist":
+        return checkpoint_dist.saved_args(root, iteration)
+    return checkpoint.saved_args(root, iteration)
+
+
+def _argv(stored: dict, to: str, tp: Optional[int], pp: Optional[int]) -> List[str]:
+    """A command line for the stored model: the flags parse_args requires, then the stored
+    model-defining values (CHECKPOINT_ARGS) override them as --use-checkpoint-args would."""
+    def flag(name, value):
+        return [f"--{name.replace('_', '-')}", str(value)]
+
+    argv = []
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        argv += flag(name, stored[name])
+    argv += flag("micro_batch_size", 1) + flag("lr", stored.get("lr") or 1e-4)
+    argv += flag("train_iters", 1) + ["--ckpt-format", to, "--eval-iters", "0"]
+    # No data is read; the vocabulary size comes from the checkpoint (padded_vocab_size).
+    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "2"]
+    argv += flag("tensor_model_parallel_size", tp or stored.get("tensor_model_parallel_size", 1))
+    argv += flag("pipeline_model_parallel_size",
+                 pp or stored.get("pipeline_model_parallel_size", 1))
+    for precision in ("bf16", "fp16"):
+        if stored.get(precision):
+            argv.append(f"--{precision}")
+    if stored.get("data_parallel_impl") == "megatron":
+        argv += ["--data-parallel-impl", "megatron"]
+    return argv
+
+
+def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] = None,
+            tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
+            ranks_per_node: Optional[int] = None) -> str:
+    """Convert ``input_dir``'s checkpoint (latest, or ``iteration``) into ``output_dir`` in
+    format ``to``; every rank calls. Returns the written iteration directory."""
+    if to not in FORMATS:
+        raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
+    it = checkpoint_checks.latest_iteration(input_dir) if iteration is None else iteration
+    if it is None or not os.path.isdir(checkpoint.iteration_dir(input_dir, it)):
+        raise ValueError(f"--input {input_dir}: no checkpoint"
+                         + (f" of iteration {it}" if it is not None else ""))
+    source = checkpoint_dist.checkpoint_format(input_dir, it)
+    stored = _stored_args(input_dir, it, source)
+    world = dist.get_world_size() if dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(_argv(stored, to, tensor_parallel, pipeline_parallel), world)
+    for name in CHECKPOINT_ARGS:
+        if name in stored and name not in ("tensor_model_parallel_size",
+                                           "pipeline_model_parallel_size"):
+            setattr(args, name, stored[name])
+    args.padded_vocab_size = stored["padded_vocab_size"]
+    if source == "torch" and (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) \
+            != (stored.get("tensor_model_parallel_size", 1),
+                stored.get("pipeline_model_parallel_size", 1)):
+        raise ValueError("a torch-format checkpoint is read with its own TP/PP; convert it to "
+                         "torch_dist first, then to another TP/PP")
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+    init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size, args.seed)
+    world = dist.get_world_size()
+    topology = build_topology(world, args.tensor_model_parallel_size,
+                              args.pipeline_model_parallel_size, args.context_parallel_size,
+                              ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    config = transformer_config(args)
+    chunks = [wrap_data_parallel(args, config, build_gpt(args, config, args.padded_vocab_size),
+                                 topology)]
+    optimizer, scheduler = build_optimizer(args, chunks)
+    load = (checkpoint_dist if source == "torch_dist" else checkpoint).load_checkpoint
+    has_optim = not stored.get("no_save_optim", False)
+    it, consumed = load(input_dir, chunks, optimizer, scheduler, it, load_optim=has_optim,
+                        use_checkpoint_scheduler=True)
+    common = dict(overwrite=False, model_config=checkpoint_checks.model_config(args),
+                  save_optim=has_optim, save_rng=not stored.get("no_save_rng", False))
+    if to == "torch_dist":
+        saved = argparse.Namespace(**{**stored, **{k: getattr(args, k) for k in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "ckpt_format")}})
+        flops = num_floating_point_operations(args, consumed * args.seq_length)
+        return checkpoint_dist.save_checkpoint(output_dir, it, consumed, chunks, optimizer,
+                                               scheduler, saved, flops, **common)
+    saved = {**stored, "ckpt_format": "torch",
+             "tensor_model_parallel_size": args.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": args.pipeline_model_parallel_size}
+    return checkpoint.save_checkpoint(output_dir, it, consumed, chunks, optimizer, scheduler,
+                                      extra={"args": saved}, **common)

@@ -1,0 +1,67 @@
+"""tools/convert_checkpoint.py: torch -> torch_dist -> torch keeps weights, optimizer state,
+schedule, data position and (same layout) RNG states, so a run resumed from the converted
+checkpoint continues bit-exactly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_checkpoint_dist import _argv, _pretrain
+
+from megatron_zeropp.simulated_nodes import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH = ["--ckpt-format", "torch"]
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tmp_path_factory):
+    from megatron_zeropp.data.sample_corpus import prepare_sample_data
+
+    path = str(tmp_path_factory.mktemp("sample"))
+    prepare_sample_data(path)
+    return path
+
+
+def _convert(ctx, *args):
+    from megatron_zeropp.training.convert import convert
+
+    return convert(*args)
+
+
+def test_torch_to_torch_dist_and_back(sample_dir, tmp_path):
+    torch_ckpt, dist_ckpt, back = (str(tmp_path / n) for n in ("torch", "dist", "back"))
+    full = run_distributed(_pretrain, 1, 2, args=(_argv(
+        sample_dir, 5, ["--save", torch_ckpt, "--save-interval", "3"] + TORCH),),
+        kwargs={"capture_at": (3,)})
+    params = full[0][1][3]
+    run_distributed(_convert, 1, 2, args=(torch_ckpt, dist_ckpt, "torch_dist", 3))
+    assert os.path.exists(os.path.join(dist_ckpt, "iter_0000003", "metadata.json"))
+    resumed = run_distributed(_pretrain, 1, 2, args=(_argv(
+        sample_dir, 5, ["--load", dist_ckpt]),), kwargs={"capture_at": (3,)})
+    assert all(torch.equal(resumed[0][1][3][k], params[k]) for k in params)
+    assert resumed[0][0]["iterations"] == [4, 5]
+    assert resumed[0][0]["loss"] == full[0][0]["loss"][3:]  # dropout on: RNG carried over
+    # back to torch, as one process (DP 1): the tool end to end
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                          "--input", dist_ckpt, "--output", back, "--to", "torch"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert os.path.exists(os.path.join(back, "iter_0000003", "mp_rank_00_000_dp_000.pt"))
+    again = run_distributed(_pretrain, 1, 2, args=(_argv(
+        sample_dir, 5, ["--load", back] + TORCH),), kwargs={"capture_at": (3,)})
+    assert all(torch.equal(again[0][1][3][k], params[k]) for k in params)
+    assert again[0][0]["iterations"] == [4, 5]
+
+
+def test_a_torch_checkpoint_is_not_read_into_another_tp(tmp_path, sample_dir):
+    torch_ckpt = str(tmp_path / "torch")
+    run_distributed(_pretrain, 1, 2, args=(_argv(
+        sample_dir, 1, ["--save", torch_ckpt] + TORCH),))
+    from megatron_zeropp.simulated_nodes import DistributedFailure
+
+    with pytest.raises(DistributedFailure, match="convert it to torch_dist first"):
+        run_distributed(_convert, 1, 2, args=(torch_ckpt, str(tmp_path / "x"), "torch", None, 2))

@@ -1,0 +1,55 @@
+"""Convert a checkpoint between this project's ``torch`` format and megatron-core's ``torch_dist``.
+
+Usage (one process, or under torchrun for larger models / other layouts)::
+
+    python tools/convert_checkpoint.py --input runs/ckpt --output runs/ckpt_dist --to torch_dist
+    torchrun --nproc-per-node 4 tools/convert_checkpoint.py --input runs/ckpt_dist \\
+        --output runs/ckpt_torch --to torch --tensor-model-parallel-size 2
+
+Converts the latest iteration (or ``--ckpt-step``): weights, optimizer state, LR schedule and data
+position. What it supports is in megatron_zeropp/training/convert.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--input", required=True, help="checkpoint directory (holds latest_...txt)")
+    p.add_argument("--output", required=True, help="directory to write the converted one into")
+    p.add_argument("--to", required=True, choices=("torch", "torch_dist"))
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from megatron_zeropp.training.fallbacks import silence_fallback_warnings
+
+    silence_fallback_warnings()
+    args = parse_args(argv)
+    from megatron_zeropp.training.launch import run_guarded, single_process_defaults
+
+    single_process_defaults()
+    from megatron_zeropp.training.convert import convert
+
+    def run():
+        out = convert(args.input, args.output, args.to, args.ckpt_step,
+                      args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                      args.ranks_per_node)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print(f"> wrote {out} ({args.to})", flush=True)
+
+    run_guarded(run)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
