@@ -16,15 +16,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = ["--ckpt-format", "torch"]
 
 
-@pytest.fixture(scope="module")
-def sample_dir(tmp_path_factory):
-    from megatron_zeropp.data.sample_corpus import prepare_sample_data
-
-    path = str(tmp_path_factory.mktemp("sample"))
-    prepare_sample_data(path)
-    return path
-
-
 def _convert(ctx, *args):
     from megatron_zeropp.training.convert import convert
 

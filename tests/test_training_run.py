@@ -13,15 +13,6 @@ from megatron_zeropp.training.checkpoint import iteration_dir, latest_iteration
 ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 
 
-@pytest.fixture(scope="module")
-def sample_dir(tmp_path_factory):
-    from megatron_zeropp.data.sample_corpus import prepare_sample_data
-
-    path = str(tmp_path_factory.mktemp("sample"))
-    prepare_sample_data(path)  # once, before the ranks race for it
-    return path
-
-
 def _argv(sample_dir, iters, extra=()):
     return (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
             f"--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters {iters} "
