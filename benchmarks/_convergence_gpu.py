@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _pretrain_log import parse_iteration_line  # noqa: E402
-from gpu_shaped import COMMON_ENV, _kill_group  # noqa: E402
+from gpu_shaped import COMMON_ENV, _free_port, _kill_group  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
@@ -114,12 +113,6 @@ def _qgz_error_flags(run: GpuRun, name: str, flags: Sequence[str]) -> List[str]:
         return []
     return ["--zeropp-qgz-error-interval", str(run.qgz_error_interval),
             "--zeropp-qgz-error-log", os.path.join(run.run_dir, name, "qgz_error.jsonl")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_command(run: GpuRun, name: str, port: int) -> List[str]:

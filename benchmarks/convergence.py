@@ -104,13 +104,7 @@ def _plot(results: dict, path: str) -> None:
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, h in results.items():
-        loss = h["loss"]
-        window = 10
-        smooth = []
-        for i in range(len(loss)):
-            recent = loss[max(0, i - window + 1) : i + 1]
-            smooth.append(sum(recent) / len(recent))
-        ax_train.plot(h["iterations"], smooth, label=name, linewidth=1)
+        ax_train.plot(h["iterations"], _smooth(h["loss"], 10), label=name, linewidth=1)
         if h["val_loss"]:
             its, vals = zip(*h["val_loss"])
             ax_val.plot(its, vals, marker="o", markersize=3, label=name, linewidth=1)
@@ -170,7 +164,7 @@ def _plot_gpu(results: dict, path: str) -> None:
         axes[2].plot(its, _smooth([g if g is not None else float("nan") for g in gn], 20),
                      label=name, linewidth=1)
         common = [i for i in its if i in base]
-        diff = [100 * (l - base[i]) / base[i] for i, l in zip(its, h["loss"]) if i in base]
+        diff = [100 * (loss - base[i]) / base[i] for i, loss in zip(its, h["loss"]) if i in base]
         axes[3].plot(common, _smooth(diff, 20), label=name, linewidth=1)
         if with_err and h["qgz_error"]:
             axes[4].plot([e["iteration"] for e in h["qgz_error"]],
@@ -203,9 +197,9 @@ def _table_gpu(results: dict) -> str:
     for name, h in results.items():
         val = dict(h["val_loss"]).get(at) if at else None
         gap = f"{100 * (val - base_val) / base_val:+.3f} %" if val and base_val else "-"
-        pairs = [(i, l) for i, l in zip(h["iterations"], h["loss"]) if i in base_loss]
-        first = next((i for i, l in pairs if l != base_loss[i]), None)
-        worst = max((abs(l - base_loss[i]) / base_loss[i] for i, l in pairs), default=None)
+        pairs = [(i, loss) for i, loss in zip(h["iterations"], h["loss"]) if i in base_loss]
+        first = next((i for i, loss in pairs if loss != base_loss[i]), None)
+        worst = max((abs(loss - base_loss[i]) / base_loss[i] for i, loss in pairs), default=None)
         ms = sorted(m for m in h["ms"][1:] if m)
         rows.append(
             f"| {name} | {h['iterations'][-1] if h['iterations'] else 0} | "
@@ -241,7 +235,7 @@ def _gpu_main(args) -> None:
             eval_interval=args.eval_interval, eval_iters=args.eval_iters, minutes=args.minutes,
             model=args.model, qgz_error_interval=args.qgz_error_interval)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     if not args.collect_only:
         codes = G.run_all(run, echo=lambda m: print(m, file=sys.stderr, flush=True))
         print(f"exit codes: {codes}", file=sys.stderr)

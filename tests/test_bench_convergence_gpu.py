@@ -38,7 +38,8 @@ def test_job_argv_two_nodes_resumable_fp32_grads(tmp_path):
     run = _run(tmp_path, gpus=4)
     argv = G.job_argv(run, "hpz")
     assert _flag(argv, "--ranks-per-node") == "2"
-    assert _flag(argv, "--save") == _flag(argv, "--load") == os.path.join(run.run_dir, "hpz", "ckpt")
+    ckpt = os.path.join(run.run_dir, "hpz", "ckpt")
+    assert _flag(argv, "--save") == _flag(argv, "--load") == ckpt
     assert _flag(argv, "--exit-duration-in-mins") == "8"
     assert _flag(argv, "--seed") == "1234"
     assert "--accumulate-allreduce-grads-in-fp32" in argv and argv[-1] == "--zeropp-hpz"
@@ -75,7 +76,7 @@ def test_collect_reads_resumed_logs_and_the_table_compares(tmp_path):
     for name, losses in (("zero3", [3.0, 2.5, 2.0, 1.5]), ("hpz", [3.0, 2.5, 2.0, 1.5]),
                          ("qgz", [3.0, 2.6, 2.1, 1.5])):
         os.makedirs(run_dir / name)
-        lines = [_line(i + 1, l) for i, l in enumerate(losses[:3])]
+        lines = [_line(i + 1, loss) for i, loss in enumerate(losses[:3])]
         # The job stopped after iteration 3 and was resumed from iteration 2's checkpoint: the
         # replayed iteration 3 and the new 4 come later in the same file; the later line wins.
         lines += ["### resumed\n", _line(3, losses[2]), _line(4, losses[3]),

@@ -12,7 +12,6 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import project_measured as PM  # noqa: E402
-import project_throughput as P  # noqa: E402
 
 M = 16384  # one bucket, 2 nodes x 2 ranks: shard 4096 (see test_bench_projection.py)
 

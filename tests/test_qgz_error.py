@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from megatron_zeropp.simulated_nodes import run_distributed
 from megatron_zeropp.sharding import ZeroPPConfig
+from megatron_zeropp.simulated_nodes import run_distributed
 
 N = 4096  # elements per rank: 32 blocks of 128 per chunk of 1024
 

@@ -12,8 +12,8 @@ node: the cross-node quantization only).
 import pytest
 import torch
 
-from megatron_zeropp.simulated_nodes import run_distributed
 from megatron_zeropp.sharding import ZeroPPConfig
+from megatron_zeropp.simulated_nodes import run_distributed
 
 N = 4096
 K_STEPS = 16

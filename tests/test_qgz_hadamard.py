@@ -17,8 +17,8 @@ from megatron_zeropp.quant.hadamard import (
     rotate_blocks,
     unrotate_blocks,
 )
-from megatron_zeropp.simulated_nodes import run_distributed
 from megatron_zeropp.sharding import ZeroPPConfig
+from megatron_zeropp.simulated_nodes import run_distributed
 
 U = 2.0**-24
 B = 128

@@ -35,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="docs: ~2 MB of help topics and docstrings; sources: also whole .py files of the "
              "standard library and installed packages, up to --max-source-mbytes",
     )
-    parser.add_argument("--max-source-mbytes", type=float, default=80.0, help="with --corpus sources")
+    parser.add_argument("--max-source-mbytes", type=float, default=80.0,
+                        help="with --corpus sources")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (--prepare)")
     return parser.parse_args(argv)
 

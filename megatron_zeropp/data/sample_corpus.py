@@ -12,8 +12,8 @@
 ``.py`` file of the standard library (tests included) and of the interpreter's installed packages
 (``purelib``), taken in hash order until ``max_source_bytes``; one document per file.
 
-The text is deterministic for a given Python version (and, with ``sources``, installed packages) (the stdlib changes between versions, so the
-version is part of the cache key). About 3 % of the documents (the 30 of ``--split 969,30,1``),
+The text is deterministic for a given Python version (and, with ``sources``, installed packages;
+the stdlib changes between versions, so the version is part of the cache key). About 3 % of the documents (the 30 of ``--split 969,30,1``),
 chosen by a hash of their id, are held out for validation; the training file is ordered by the
 same hash, so Megatron's contiguous ``--split`` ranges also mix topics and modules.
 
@@ -180,7 +180,8 @@ def write_sample_corpus(
     """
     if not 0 < valid_per_mille < 1000:
         raise ValueError(f"valid_per_mille must be in 1..999, got {valid_per_mille}")
-    documents = sorted(_corpus_documents(corpus, max_source_bytes), key=lambda item: (_hash(item[0]), item[0]))
+    documents = sorted(_corpus_documents(corpus, max_source_bytes),
+                       key=lambda item: (_hash(item[0]), item[0]))
     os.makedirs(output_dir, exist_ok=True)
     paths = [os.path.join(output_dir, f"sample_corpus_{name}.jsonl") for name in ("train", "valid")]
     counts = [0, 0]
