@@ -12,10 +12,11 @@
 ``.py`` file of the standard library (tests included) and of the interpreter's installed packages
 (``purelib``), taken in hash order until ``max_source_bytes``; one document per file.
 
-The text is deterministic for a given Python version (and, with ``sources``, installed packages;
-the stdlib changes between versions, so the version is part of the cache key). About 3 % of the
-documents (the 30 of ``--split 969,30,1``), chosen by a hash of their id, are held out for validation; the training file is ordered by the
-same hash, so Megatron's contiguous ``--split`` ranges also mix topics and modules.
+The text is deterministic for a given Python version (and, with ``sources``, installed packages; the
+stdlib changes between versions, so the version is part of the cache key). About 3 % of the
+documents (the 30 of ``--split 969,30,1``), chosen by a hash of their id, are held out for
+validation; the training file is ordered by the same hash, so Megatron's contiguous ``--split``
+ranges also mix topics and modules.
 
 :func:`prepare_sample_data` runs corpus -> SentencePiece tokenizer -> ``.bin``/``.idx`` once per
 work directory and returns the cached paths afterwards (about 5 s on two cores, most of it
