@@ -33,6 +33,16 @@ def apply_cpu_patches() -> bool:
     return mcore_cpu.apply()
 
 
+def apply_mcore_patches() -> None:
+    """Every megatron-core patch this process needs (see ``patches/``): the CPU patches when
+    there is no CUDA, and the device-side gradient norm wherever megatron-core would fall back
+    to its host-syncing one (no apex, no Transformer Engine)."""
+    from megatron_zeropp._patches import mcore_grad_norm
+
+    apply_cpu_patches()
+    mcore_grad_norm.apply()
+
+
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> str:
     """Initialise torch.distributed from torchrun's environment; returns the backend used.
 
@@ -74,15 +84,15 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
                   context_parallel: int = 1, seed: int = 1234) -> None:
     """megatron-core's parallel state and RNG seeds, after ``init_process_group``.
 
-    Applies the CPU patches when there is no CUDA. Seeds torch and megatron-core's model-parallel
-    RNG tracker (mandatory before building megatron-core layers). Idempotent for the parallel
+    Applies the megatron-core patches (:func:`apply_mcore_patches`). Seeds torch and
+    megatron-core's model-parallel RNG tracker (mandatory before building megatron-core layers). Idempotent for the parallel
     state: an already initialised one is kept. megatron-core's groups get the default group's
     timeout (see :func:`world_timeout`).
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mcore_tp
 
-    apply_cpu_patches()
+    apply_mcore_patches()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel,

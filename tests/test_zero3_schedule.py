@@ -37,18 +37,24 @@ def _instrumented(ctx, zeropp, ddp, steps=3, nmb=1):
 
     dp = ctx.world_size
     results = train(wrapped, optimizer, steps, micro=1, global_batch=dp * nmb, on_step=on_step)
-    assert all(u.state is UnitState.RELEASED for u in wrapped.units)
+    # Every unit is released after the last step except the next forward's first
+    # `prefetch_depth` ones, which started gathering when the optimizer step ended.
+    held = [u.name for u in wrapped.units if u.state is not UnitState.RELEASED]
+    first = [u.name for u in wrapped._forward_order[:zeropp.prefetch_depth]]
     return {"results": results, "calls": calls, "max_live": live["max"],
-            "async": live["async"], "units": len(wrapped.units)}
+            "async": live["async"], "units": len(wrapped.units), "held": held, "first": first}
 
 
 def test_reduction_once_per_step_and_gathers_per_micro_batch():
     out = run_distributed(_instrumented, 2, 2, args=(ZeroPPConfig(), {}),
                           kwargs={"nmb": 2})[0]
     units = out["units"]
-    for step in out["calls"]:
+    assert out["held"] == out["first"] and len(out["first"]) == 1, out
+    for i, step in enumerate(out["calls"]):
         assert step["grad"] == {"zero3_reduce_scatter": units}  # not once per micro-batch
-        assert step["forward"]["zero3_allgather"] == 2 * units  # 2 micro-batches
+        # 2 micro-batches; the next step's first unit is gathered when a step ends, so it
+        # counts in the step before (the first step also gathers its own)
+        assert step["forward"]["zero3_allgather"] == 2 * units + (1 if i == 0 else 0)
         assert step["backward"]["zero3_allgather"] >= 2 * (units - 1)
 
 
@@ -69,6 +75,7 @@ def test_at_most_a_few_units_hold_full_weights(depth):
     # the unit computing + the prefetched ones + the tied embedding, which the output layer's
     # backward gathers and only the embedding's own backward releases
     assert out["max_live"] <= 2 + depth, out["max_live"]
+    assert out["held"] == out["first"] and len(out["first"]) == depth, out
     assert out["max_live"] < out["units"]
 
 

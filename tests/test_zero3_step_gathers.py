@@ -33,7 +33,8 @@ def _bytes_per_iteration(ctx, zeropp, nmb):
 
     results = train(wrapped, optimizer, 2, micro=1, global_batch=ctx.world_size * nmb,
                     on_step=on_step)
-    return {"steps": per_step, "units": len(wrapped.units), "losses": [r[0] for r in results]}
+    return {"steps": per_step, "units": len(wrapped.units), "losses": [r[0] for r in results],
+            "prefetch_depth": wrapped.zeropp.prefetch_depth}
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +54,15 @@ def test_cross_node_bytes_do_not_grow_with_micro_batches(accumulation):
 def test_one_cross_node_gather_per_unit_and_step(accumulation):
     four = accumulation[4]
     units = four["units"]
-    for step in four["steps"]:
+    depth = four["prefetch_depth"]
+    assert depth >= 1
+    for i, step in enumerate(four["steps"]):
         calls = step["calls"]
-        # One qwZ gather per unit per step (the tied embedding's extra use is served by hpZ)...
+        # One qwZ gather per unit per step (the tied embedding's extra use is served by hpZ);
+        # the next step's first `depth` gathers start when the optimizer step ends, so they
+        # count in this step, and the first step also holds its own.
         qwz = sum(c.get("qwz_allgather", 0) for c in calls.values())
-        assert qwz == units, calls
+        assert qwz == units + (depth if i == 0 else 0), calls
         # ...everything else of 4 forwards and 4 backwards reads the secondaries in the node.
         hpz = sum(c.get("hpz_allgather", 0) for c in calls.values())
         assert hpz >= 8 * units - units - 1, calls
@@ -120,7 +125,12 @@ def _gradients(ctx, shard_grads):
     bound_terms = {(u.name, i): abs_sum[id(b.grad_data)]
                    for u in wrapped.units for i, b in enumerate(u.buckets)}
     m = sum(b.param_data.numel() for b in buckets)
-    return {"grads": captured, "abs": bound_terms, "memory": memory, "m": m}
+    # The next step's first units start gathering when the optimizer step ends.
+    first = wrapped._forward_order[:wrapped.zeropp.prefetch_depth]
+    prefetched = sum(b.param_data.numel() * b.param_data.element_size()
+                     for u in first for b in u.buckets)
+    return {"grads": captured, "abs": bound_terms, "memory": memory, "m": m,
+            "prefetched": prefetched}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +180,8 @@ def test_sharded_gradients_memory(sharded_vs_full):
         m = f["m"]  # fp32 model here: grads are fp32 either way
         assert f["memory"]["grad"] == 4 * m  # megatron-core's full buffer
         assert s["memory"]["grad"] == 4 * m // z  # the fp32 shard; full grads freed
-        assert s["memory"]["gathered"] == 0
+        assert 0 < s["prefetched"] < 4 * m // 2
+        assert s["memory"]["gathered"] == s["prefetched"]  # only the next step's first units
 
 
 # -- bytes counted at the call -------------------------------------------------------------------

@@ -338,8 +338,19 @@ class ZeroPPDataParallel(_BaseDataParallel):
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """The optimizer wrote new primary shards: weights of the next forward are a new
-        version, and every hpZ secondary is stale until refreshed by a forward gather."""
+        version, and every hpZ secondary is stale until refreshed by a forward gather.
+
+        Then the first ``prefetch_depth`` units of the next forward start gathering, so the
+        link works while the host finishes the step (logging, the next batch) instead of
+        waiting for the first forward hook. ``force_sync`` (weights loaded from a checkpoint)
+        prefetches nothing."""
         self.weights_changed()
+        if self._forward_order:
+            self._order_frozen = True  # a whole step ran: every forward unit was seen
+        if not force_sync and self._order_frozen:
+            for unit in self._forward_order[:self.zeropp.prefetch_depth]:
+                if unit.state is UnitState.RELEASED:
+                    unit.start_gather(self.weight_version, "forward", async_op=True)
 
     def finish_param_sync(self, *unused, **kwargs):
         """Nothing to wait for: gathers happen in the forward hooks."""
