@@ -85,9 +85,9 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
     """megatron-core's parallel state and RNG seeds, after ``init_process_group``.
 
     Applies the megatron-core patches (:func:`apply_mcore_patches`). Seeds torch and
-    megatron-core's model-parallel RNG tracker (mandatory before building megatron-core layers). Idempotent for the parallel
-    state: an already initialised one is kept. megatron-core's groups get the default group's
-    timeout (see :func:`world_timeout`).
+    megatron-core's model-parallel RNG tracker (mandatory before building megatron-core
+    layers). Idempotent for the parallel state: an already initialised one is kept.
+    megatron-core's groups get the default group's timeout (see :func:`world_timeout`).
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mcore_tp
