@@ -28,19 +28,30 @@ def apply_cpu_patches() -> bool:
     """
     if cuda_available():
         return False
-    from megatron_zeropp._patches import mcore_cpu
-
-    return mcore_cpu.apply()
+    return _patch_module("mcore_cpu").apply()
 
 
 def apply_mcore_patches() -> None:
     """Every megatron-core patch this process needs (see ``patches/``): the CPU patches when
     there is no CUDA, and the device-side gradient norm wherever megatron-core would fall back
     to its host-syncing one (no apex, no Transformer Engine)."""
-    from megatron_zeropp._patches import mcore_grad_norm
-
     apply_cpu_patches()
-    mcore_grad_norm.apply()
+    _patch_module("mcore_grad_norm").apply()
+
+
+def _patch_module(name: str):
+    """``patches/<name>.py``: installed as ``megatron_zeropp._patches``; in a source checkout
+    run without installing (``PYTHONPATH=<repo>``, as Megatron-LM is often run) it is the
+    top-level ``patches`` package next to pretrain_gpt.py."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"megatron_zeropp._patches.{name}")
+    except ModuleNotFoundError as installed:
+        if installed.name not in ("megatron_zeropp._patches",
+                                  f"megatron_zeropp._patches.{name}"):
+            raise
+    return importlib.import_module(f"patches.{name}")
 
 
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> str:
