@@ -181,8 +181,9 @@ def dequantize_reduce(
     """Sum P pieces ``data (P, C, nbytes)`` / ``scales (P, C, nblocks)`` in fp32, per element.
 
     Piece order 0..P-1, each piece added with one rounding (``fl(acc + q * s)``, a fused
-    multiply-add) on the Triton and reference backends; the CPU backend rounds the product too
-    (``fl(acc + fl(q * s))``, within ``(3P - 2) * 2**-24 * sum |q * s|`` of the reference).
+    multiply-add) on the Triton, C (``cpu``) and reference backends; ``cpu_torch`` rounds the
+    product too (``fl(acc + fl(q * s))``, within ``(3P - 2) * 2**-24 * sum |q * s|`` of the
+    reference).
 
     With ``out_bits`` the C row sums are requantized (``out_block_size`` defaults to
     ``block_size``) and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; without,
