@@ -192,3 +192,22 @@ def test_backend_names(monkeypatch):
     assert quant.backend_for("cpu") == "cpu_torch"
     assert torch.equal(quant.dequantize_reduce(data, scales, 4, 64, 200),
                        cpu_fast.dequantize_reduce(data, scales, 4, 64, 200))
+
+
+def test_codes_are_read_where_they_lie_in_packed_rows():
+    # What the collectives hand over: each row's codes followed by its scales (pack_rows); the
+    # kernels read the codes in place, at the packed row stride.
+    from megatron_zeropp.comm.common import pack_rows, unpack_rows
+
+    data, scales = _pieces(6, 1, 333, 4, 32, seed=11)
+    packed = pack_rows(data.view(6, -1), scales.view(6, -1))
+    codes, s = unpack_rows(packed, data.shape[-1], data.dtype)
+    assert not codes.is_contiguous() and codes.data_ptr() == packed.data_ptr()
+    assert torch.equal(cpu_native.dequantize_chunks(codes, s, 4, 32, 333, torch.bfloat16),
+                       ref.dequantize_chunks(data.view(6, -1), scales.view(6, -1), 4, 32, 333,
+                                             torch.bfloat16))
+    got = cpu_native.dequantize_reduce(codes.view(3, 2, -1), s.view(3, 2, -1), 4, 32, 333,
+                                       out_bits=8)
+    want = qref.dequantize_reduce(data.view(3, 2, -1), scales.view(3, 2, -1), 4, 32, 333,
+                                  out_bits=8)
+    assert all(_same(a, b) for a, b in zip(got, want))

@@ -10,9 +10,11 @@
  * Built with -ffp-contract=off, so the compiler fuses nothing the reference rounds twice.
  * Each block is staged in an L1-sized fp32 buffer: the input is read once, the codes written once.
  *
- * Layouts (all contiguous, C order):
- *   codes  (rows, nbytes)   int8, or uint8 with element 2i in the low nibble (INT4)
- *   scales (rows, nblocks)  fp32
+ * Layouts (C order):
+ *   codes  (rows, nbytes)   int8, or uint8 with element 2i in the low nibble (INT4); the codes
+ *                           read by the dequantizers may have any row stride (rows received
+ *                           packed next to their scales are read where they lie)
+ *   scales (rows, nblocks)  fp32, contiguous
  *   dtype codes: 0 = fp32, 1 = bf16 (fp16 is converted by the caller).
  */
 #include <math.h>
@@ -140,15 +142,16 @@ static void store(void *out, int dtype, int64_t at, const float *v, int64_t n) {
     }
 }
 
-/* out (rows, numel) in fp32 / bf16 = codes * scale, padding dropped. */
-void zpp_dequantize_rows(const void *codes, const float *scales, int64_t rows, int64_t numel,
-                         int bits, int64_t bs, void *out, int out_dtype) {
+/* out (rows, numel) in fp32 / bf16 = codes * scale, padding dropped; code rows row_stride bytes
+ * apart. */
+void zpp_dequantize_rows(const void *codes, int64_t row_stride, const float *scales, int64_t rows,
+                         int64_t numel, int bits, int64_t bs, void *out, int out_dtype) {
     const int64_t nblocks = (numel + bs - 1) / bs;
     const int64_t block_bytes = bits == 8 ? bs : bs / 2;
     float buf[MAX_BLOCK];
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nblocks; b++) {
-            decode_block((const char *)codes + (r * nblocks + b) * block_bytes, bits, bs, buf);
+            decode_block((const char *)codes + r * row_stride + b * block_bytes, bits, bs, buf);
             const float s = scales[r * nblocks + b];
             for (int64_t i = 0; i < bs; i++) buf[i] *= s;
             int64_t n = numel - b * bs < bs ? numel - b * bs : bs;
@@ -157,14 +160,16 @@ void zpp_dequantize_rows(const void *codes, const float *scales, int64_t rows, i
     }
 }
 
-/* Sum P pieces codes (P, rows, nbytes) / scales (P, rows, nblocks) per element, in piece order,
+/* Sum P pieces codes (P, rows, nbytes; strides piece_stride, row_stride bytes) / scales
+ * (P, rows, nblocks) per element, in piece order,
  * acc = fmaf(q, s, acc) from acc = 0. Then either requantize each row at (out_bits, out_bs) into
  * out_codes / out_scales, or (out_bits == 0) store the sums as out_dtype into out (rows, numel).
  * Works in tiles of max(bs, out_bs) elements (a multiple of both: powers of two) so the sums of a
  * tile stay in L1 across the P pieces. */
-void zpp_dequantize_reduce(const void *codes, const float *scales, int64_t pieces, int64_t rows,
-                           int64_t numel, int bits, int64_t bs, int out_bits, int64_t out_bs,
-                           void *out_codes, float *out_scales, void *out, int out_dtype) {
+void zpp_dequantize_reduce(const void *codes, int64_t piece_stride, int64_t row_stride,
+                           const float *scales, int64_t pieces, int64_t rows, int64_t numel,
+                           int bits, int64_t bs, int out_bits, int64_t out_bs, void *out_codes,
+                           float *out_scales, void *out, int out_dtype) {
     const int64_t nblocks = (numel + bs - 1) / bs;
     const int64_t block_bytes = bits == 8 ? bs : bs / 2;
     const int64_t tile = out_bits && out_bs > bs ? out_bs : bs;
@@ -178,9 +183,9 @@ void zpp_dequantize_reduce(const void *codes, const float *scales, int64_t piece
             for (int64_t p = 0; p < pieces; p++) {
                 for (int64_t off = 0; off < n; off += bs) {
                     const int64_t b = (t0 + off) / bs;
-                    const int64_t k = (p * rows + r) * nblocks + b;
-                    decode_block((const char *)codes + k * block_bytes, bits, bs, q);
-                    const float s = scales[k];
+                    decode_block((const char *)codes + p * piece_stride + r * row_stride +
+                                     b * block_bytes, bits, bs, q);
+                    const float s = scales[(p * rows + r) * nblocks + b];
                     float *a = acc + off;
                     for (int64_t i = 0; i < bs; i++) a[i] = fmaf(q[i], s, a[i]);
                 }

@@ -132,10 +132,11 @@ def load(path: Union[str, Path]) -> ctypes.CDLL:
         raise NativeUnavailable(f"cannot load {path}: {exc}") from None
     so.zpp_quantize_rows.argtypes = [_PTR, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int, _I64,
                                      _PTR, _PTR]
-    so.zpp_dequantize_rows.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int, _I64, _PTR,
+    so.zpp_dequantize_rows.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, _I64, _PTR,
                                        ctypes.c_int]
-    so.zpp_dequantize_reduce.argtypes = [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _I64,
-                                         ctypes.c_int, _I64, _PTR, _PTR, _PTR, ctypes.c_int]
+    so.zpp_dequantize_reduce.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int,
+                                         _I64, ctypes.c_int, _I64, _PTR, _PTR, _PTR,
+                                         ctypes.c_int]
     for fn in (so.zpp_quantize_rows, so.zpp_dequantize_rows, so.zpp_dequantize_reduce):
         fn.restype = None
     return so
@@ -183,6 +184,11 @@ def _quantize(x2d: torch.Tensor, bits: int, block_size: int,
     library().zpp_quantize_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], offsets.data_ptr(), rows,
                                 numel, bits, block_size, data.data_ptr(), scales.data_ptr())
     return data, scales
+
+
+def _rows_in_place(data: torch.Tensor) -> torch.Tensor:
+    """Codes whose rows are contiguous, copied only if they are not (strides are passed on)."""
+    return data if data.stride(-1) == 1 else data.contiguous()
 
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
@@ -241,10 +247,11 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     rows = scales.shape[0]
     _ref.check_out(out, rows, numel, dtype, data.device)
     _check_cpu(data)
-    data, scales = data.contiguous(), scales.contiguous()
+    data, scales = _rows_in_place(data), scales.contiguous()
     written, result = _output(rows, numel, dtype, out)
-    library().zpp_dequantize_rows(data.data_ptr(), scales.data_ptr(), rows, numel, bits,
-                                  block_size, written.data_ptr(), _DTYPE_CODE[written.dtype])
+    library().zpp_dequantize_rows(data.data_ptr(), data.stride(0), scales.data_ptr(), rows, numel,
+                                  bits, block_size, written.data_ptr(),
+                                  _DTYPE_CODE[written.dtype])
     return _finish(written, result, dtype)
 
 
@@ -258,16 +265,19 @@ def dequantize_reduce(
                                         out_block_size, out_dtype)
     _check_cpu(data)
     pieces, rows, _ = data.shape
-    data, scales = data.contiguous(), scales.contiguous()
-    kernel = library().zpp_dequantize_reduce
+    data, scales = _rows_in_place(data), scales.contiguous()
+    lib = library()
+
+    def kernel(*tail):
+        lib.zpp_dequantize_reduce(data.data_ptr(), data.stride(0), data.stride(1),
+                                  scales.data_ptr(), pieces, rows, numel, bits, block_size, *tail)
+
     if out_bits is None:
         written, _ = _output(rows, numel, out_dtype, None)
-        kernel(data.data_ptr(), scales.data_ptr(), pieces, rows, numel, bits, block_size, 0,
-               out_block_size, None, None, written.data_ptr(), _DTYPE_CODE[written.dtype])
+        kernel(0, out_block_size, None, None, written.data_ptr(), _DTYPE_CODE[written.dtype])
         return _finish(written, None, out_dtype)
     nbytes, nblocks = _ref.quantized_sizes(numel, out_bits, out_block_size)
     out_data = torch.empty(rows, nbytes, dtype=torch.int8 if out_bits == 8 else torch.uint8)
     out_scales = torch.empty(rows, nblocks, dtype=torch.float32)
-    kernel(data.data_ptr(), scales.data_ptr(), pieces, rows, numel, bits, block_size, out_bits,
-           out_block_size, out_data.data_ptr(), out_scales.data_ptr(), None, 0)
+    kernel(out_bits, out_block_size, out_data.data_ptr(), out_scales.data_ptr(), None, 0)
     return out_data, out_scales
