@@ -11,7 +11,7 @@ shared library cached under ``$ZEROPP_KERNEL_CACHE`` (default ``~/.cache/megatro
 named by a hash of the source, the flags and the compiler's version, so every process and test
 on a machine shares one build (about 3 s on one core). Ranks starting together take a file lock:
 one compiles, the others wait and load its result. No torch headers and no Python extension
-module (those take a minute to compile): the kernels take raw pointers.
+module: the kernels take raw pointers, so the build compiles one small C file and nothing else.
 Flags: ``-O3 -ffp-contract=off`` (nothing fused that the reference rounds twice), plus
 ``-mavx2 -mfma`` when torch reports an AVX2-capable x86 CPU; without hardware FMA
 ``fmaf`` is libm's exact software version (correct, slower).
