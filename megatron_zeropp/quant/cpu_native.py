@@ -9,7 +9,7 @@ each output once, one block at a time in an L1 buffer; the pure-torch backend
 Build. The source is compiled with the system C compiler (``$CC``, else ``cc`` / ``gcc``) into a
 shared library cached under ``$ZEROPP_KERNEL_CACHE`` (default ``~/.cache/megatron_zeropp``),
 named by a hash of the source, the flags and the compiler's version, so every process and test
-on a machine shares one build (about 3 s on one core). Ranks starting together take a file lock:
+on a machine shares one build (0.4 s of gcc 12 here). Ranks starting together take a file lock:
 one compiles, the others wait and load its result. No torch headers and no Python extension
 module: the kernels take raw pointers, so the build compiles one small C file and nothing else.
 Flags: ``-O3 -ffp-contract=off`` (nothing fused that the reference rounds twice), plus
