@@ -131,8 +131,9 @@ def _quant_backend() -> str:
 def quant_cpu_seconds(elements: int, nodes: int, ranks_per_node: int, repeats: int = 3) -> dict:
     """Single-thread CPU seconds of the quantization work ONE rank does per ZeRO++ iteration.
 
-    The same calls the protocols make (``megatron_zeropp.quant``, which runs its CPU backend on
-    CPU tensors; ``ZEROPP_QUANT_BACKEND=reference`` times the fp64-emulating reference instead),
+    The same calls the protocols make (``megatron_zeropp.quant``, which runs its C kernels on
+    CPU tensors; ``ZEROPP_QUANT_BACKEND=cpu_torch`` times the pure-torch CPU backend instead,
+    ``reference`` the fp64-emulating reference),
     at this model's size as one bucket: qwZ quantizes its shard and
     dequantizes all Z; qgZ quantizes its gradient in send order, dequantizes-sums-requantizes N
     pieces (hop 1) and dequantizes-sums K (hop 2). Median of ``repeats``, measured after the

@@ -31,13 +31,15 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _roundtrip_worker(ctx, tp):
     groups = build_process_groups(ctx.topology(tensor_parallel=tp))
     out = []
-    cases = itertools.product(DTYPES, (1, 7, 4097, (1 << 20) + 3), (False, True), (False, True))
+    # 4104 divides by every hpZ size here: the slices land straight in the output (no padding)
+    cases = itertools.product(DTYPES, (1, 7, 4097, 4104, (1 << 20) + 3), (False, True),
+                              (False, True))
     for seed, (dtype, numel, two_d, async_op) in enumerate(cases):
         if numel == (1 << 20) + 3 and (dtype != torch.bfloat16 or two_d or async_op):
             continue  # one big case is enough to cover the sizes; it is slow on 2 cores
         if two_d and numel == 1:
             continue
-        shape = (numel,) if not two_d else (7, 1) if numel == 7 else (17, 241)
+        shape = (numel,) if not two_d else {7: (7, 1), 4097: (17, 241), 4104: (24, 171)}[numel]
         # Every DP replica of the same TP shard gathered the same full weights in the forward.
         full = _weights(seed * 31 + ctx.rank % tp, numel, dtype, shape)
         part = SecondaryPartition(groups.hpz, numel, dtype)
@@ -64,11 +66,11 @@ def test_gather_returns_the_stored_bits(nodes, rpn, tp):
             assert frac == -(-numel // hpz_size) / numel, (case, frac)
 
 
-def _stale_worker(ctx):
+def _stale_worker(ctx, numel):
     groups = build_process_groups(ctx.topology())
-    full = torch.arange(10, dtype=torch.float32)
-    part = SecondaryPartition(groups.hpz, 10, torch.float32)
-    out = torch.zeros(10)
+    full = torch.arange(numel, dtype=torch.float32)
+    part = SecondaryPartition(groups.hpz, numel, torch.float32)
+    out = torch.zeros(numel)
     seen = {}
 
     def attempt(name, version, async_op=False):
@@ -89,9 +91,10 @@ def _stale_worker(ctx):
     attempt("invalidated", 3)
     # Ranks disagree: only group rank 0 refreshes to version 5; everyone asks for 5. Every rank
     # must raise (a local check would leave the healthy ranks blocked in the collective).
-    part.refresh(full, version=4)
+    # (other values than the last good gather's, so a write before the check would show)
+    part.refresh(full + 100, version=4)
     if part.index == 0:
-        part.refresh(full, version=5)
+        part.refresh(full + 100, version=5)
     attempt("one_rank_fresh", 5)
     out_before = out.clone()
     part.refresh(full * 2, version=6)
@@ -99,8 +102,10 @@ def _stale_worker(ctx):
     return seen, out_before.tolist(), out.tolist(), part.index, list(groups.hpz_ranks)
 
 
-def test_stale_or_unfilled_secondary_raises_on_every_rank():
-    for seen, before, after, _index, ranks in run_distributed(_stale_worker, 2, 3):
+@pytest.mark.parametrize("numel", (10, 12))  # padded slices (staging buffer), or direct
+def test_stale_or_unfilled_secondary_raises_on_every_rank(numel):
+    for seen, before, after, _index, ranks in run_distributed(_stale_worker, 2, 3,
+                                                              args=(numel,)):
         assert "version(s) {" in seen["never_filled"] and "None" in seen["never_filled"], seen
         assert seen["fresh"] == "ok"
         assert "read at weight version 4" in seen["wrong_version"]
@@ -109,8 +114,8 @@ def test_stale_or_unfilled_secondary_raises_on_every_rank():
         others = {r: 4 for r in ranks if r != ranks[0]}
         assert str(others) in seen["one_rank_fresh"], seen["one_rank_fresh"]
         # The failed gathers left the output as the last successful gather wrote it.
-        assert before == list(range(10))
-        assert after == [2.0 * i for i in range(10)]
+        assert before == list(range(numel))
+        assert after == [2.0 * i for i in range(numel)]
 
 
 def _validation_worker(ctx):

@@ -244,7 +244,7 @@ def test_stochastic_rounding_is_reproducible_and_in_range():
 # --- the package entry points -------------------------------------------------------------------
 
 def test_package_api_on_cpu_equals_the_reference(monkeypatch):
-    # The CPU backend differs from the reference only in dequantize_reduce (test_quant_cpu_fast).
+    # CPU tensors use the C kernels (test_quant_cpu_native), bit-identical in every op.
     monkeypatch.delenv(quant.BACKEND_ENV, raising=False)
     assert quant.backend_for("cpu") == "cpu"
     x = random_blocks(777, torch.bfloat16).view(7, 111)

@@ -112,8 +112,11 @@ def pack_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def unpack_rows(
     packed: torch.Tensor, nbytes: int, data_dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_rows` for a (..., nbytes + 4 * nblocks) uint8 tensor."""
-    data = packed[..., :nbytes].contiguous().view(data_dtype)
+    """Inverse of :func:`pack_rows` for a (..., nbytes + 4 * nblocks) uint8 tensor.
+
+    The codes come back as a strided view into ``packed`` (no copy: the CPU kernels read rows
+    where they lie, the Triton wrappers make them contiguous themselves)."""
+    data = packed[..., :nbytes].view(data_dtype)  # 1-byte dtypes: a view at any stride
     # A fresh contiguous copy, not contiguous(): viewing bytes as fp32 needs offset 0 and strides
     # divisible by 4, and contiguous() may return the offset view itself when leading dims are 1.
     scale_bytes = packed[..., nbytes:].clone(memory_format=torch.contiguous_format)

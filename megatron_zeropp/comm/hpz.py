@@ -14,8 +14,10 @@ secondary partition carries the *weight version* it was filled at (an int the ca
 every weight change, e.g. the optimizer step), and :meth:`SecondaryPartition.all_gather` takes the
 version the caller expects:
 
-* each rank sends its stored version with its slice (8 bytes, in the same collective);
-* after the gather every rank checks all N versions against the expected one and raises
+* each rank sends its stored version with its slice (8 bytes: in the same collective when the
+  slices are padded and go through a staging buffer, otherwise in a small all-gather just
+  before the slices, which then land straight in ``output``);
+* every rank checks all N versions against the expected one and raises
   :class:`StaleSecondaryError` (before touching ``output``) if any differ or was never filled.
 
 Because the check happens on the gathered versions, every rank of the group raises together; a
@@ -88,8 +90,8 @@ class SecondaryPartition:
         esize = torch.empty((), dtype=dtype).element_size()
         self.slice_numel = math.ceil(numel / self.size)
         self._slice_bytes = self.slice_numel * esize
-        # Slice bytes followed by the version tag: one buffer, so the tag travels in the same
-        # collective as the data and cannot drift from it.
+        # Slice bytes followed by the version tag: one buffer, so the tag sent is always the one
+        # of the slice sent (refresh waits for in-flight gathers before writing either).
         self._buf = torch.zeros(
             self._slice_bytes + _TAG_BYTES, dtype=torch.uint8, device=self.device
         )
@@ -184,19 +186,33 @@ class SecondaryPartition:
             stats.count_call(ALLGATHER)
             stats.record_ring(ALLGATHER, self.ranks, self._slice_bytes, _TAG_BYTES)
         send = self._buf  # read by the collective when it runs
+        # Without padding the slices land straight in ``output`` (tags first, in their own small
+        # gather, so a stale read still raises before ``output`` is touched); the one-buffer
+        # gather needs a staging copy of the whole tensor, which on CPU cost about as much as
+        # the gather itself (a fresh allocation's page faults plus a copy).
+        direct = self.size > 1 and self.numel == self.size * self.slice_numel
+
+        def check(tags: torch.Tensor) -> None:
+            tags = tags.view(torch.int64).view(-1)
+            if stale_flag is not None:
+                stale_flag.logical_or_((tags != version).any())
+            else:
+                _raise_if_stale(self.ranks, tags.tolist(), version)
 
         def body():
+            if direct:
+                tags = torch.empty(self.size, _TAG_BYTES, dtype=torch.uint8, device=self.device)
+                all_gather_into(tags, send[self._slice_bytes :], self.group)
+                check(tags)
+                all_gather_into(output.view(-1).view(torch.uint8), send[: self._slice_bytes],
+                                self.group)
+                return
             if self.size == 1:
                 recv = send.view(1, -1)
             else:
                 recv = torch.empty(self.size, send.numel(), dtype=torch.uint8, device=self.device)
                 all_gather_into(recv, send, self.group)
-            tag_bytes = recv[:, self._slice_bytes :].clone(memory_format=torch.contiguous_format)
-            tags = tag_bytes.view(torch.int64).view(-1)
-            if stale_flag is not None:
-                stale_flag.logical_or_((tags != version).any())
-            else:
-                _raise_if_stale(self.ranks, tags.tolist(), version)
+            check(recv[:, self._slice_bytes :].clone(memory_format=torch.contiguous_format))
             nbytes = self.numel * output.element_size()
             output.view(-1).view(torch.uint8).copy_(
                 recv[:, : self._slice_bytes].reshape(-1)[:nbytes]

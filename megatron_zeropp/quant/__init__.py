@@ -1,23 +1,28 @@
 """Block quantization (INT8 / INT4) and qgZ's local steps, with a Triton and a reference backend.
 
-Backend choice, per call: the Triton kernels for CUDA tensors when ``triton`` imports, the CPU
-backend (:mod:`.cpu_fast`) for CPU tensors, the pure torch reference otherwise.
-``ZEROPP_QUANT_BACKEND`` forces one: ``reference``, ``cpu``, ``triton`` (also on CPU tensors, which
-needs ``TRITON_INTERPRET=1`` set before triton is first imported) or ``auto`` (the default).
-Triton and the reference give bit-identical results for round-to-nearest; the CPU backend is
-bit-identical except :func:`dequantize_reduce`, which rounds each product in fp32 instead of
-emulating a fused multiply-add in fp64 (bound in :mod:`.cpu_fast`). Stochastic rounding always
+Backend choice, per call: the Triton kernels for CUDA tensors when ``triton`` imports, the C
+kernels (:mod:`.cpu_native`, compiled on first use) for CPU tensors, the pure torch reference
+otherwise. If the C kernels cannot be built (no compiler), CPU tensors use the pure-torch CPU
+backend (:mod:`.cpu_fast`) and a warning says so, once per process.
+``ZEROPP_QUANT_BACKEND`` forces one: ``reference``, ``cpu`` (the C kernels; an error if they
+cannot be built), ``cpu_torch``, ``triton`` (also on CPU tensors, which needs
+``TRITON_INTERPRET=1`` set before triton is first imported) or ``auto`` (the default).
+Triton, the C kernels and the reference give bit-identical results for round-to-nearest;
+``cpu_torch`` is bit-identical except :func:`dequantize_reduce`, which rounds each product in
+fp32 instead of fusing the multiply-add (bound in :mod:`.cpu_fast`). Stochastic rounding always
 runs on the reference. Importing this package never imports megatron-core.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
 
-from . import cpu_fast as _cpu
+from . import cpu_fast as _cpu_torch
+from . import cpu_native as _native
 from . import qgz_reference as _qgz_ref
 from . import reference as _ref
 from .qgz_reference import qgz_chunk_order
@@ -31,7 +36,8 @@ except ImportError as exc:  # CPU-only installs without triton keep the referenc
     _TRITON_IMPORT_ERROR = exc
 
 BACKEND_ENV = "ZEROPP_QUANT_BACKEND"
-_BACKENDS = ("auto", "reference", "cpu", "triton")
+_BACKENDS = ("auto", "reference", "cpu", "cpu_torch", "triton")
+_warned_native = False
 
 __all__ = [
     "BACKEND_ENV",
@@ -55,12 +61,20 @@ def triton_available() -> bool:
 
 
 def backend_for(device: Union[torch.device, str]) -> str:
-    """``"triton"``, ``"cpu"`` or ``"reference"``: what a call on ``device`` tensors will use."""
+    """``"triton"``, ``"cpu"``, ``"cpu_torch"`` or ``"reference"``: what a call on ``device``
+    tensors will use."""
     mode = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if mode not in _BACKENDS:
         raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, got {mode!r}")
-    if mode in ("reference", "cpu"):
+    if mode in ("reference", "cpu_torch"):
         return mode
+    if mode == "cpu":
+        try:
+            _native.library()
+        except _native.NativeUnavailable as exc:
+            raise RuntimeError(f"{BACKEND_ENV}=cpu but the C kernels are unavailable: {exc}") \
+                from None
+        return "cpu"
     if mode == "triton":
         if _triton is None:
             raise RuntimeError(
@@ -70,11 +84,28 @@ def backend_for(device: Union[torch.device, str]) -> str:
     kind = torch.device(device).type
     if kind == "cuda" and _triton is not None:
         return "triton"
-    return "cpu" if kind == "cpu" else "reference"
+    if kind != "cpu":
+        return "reference"
+    return _cpu_backend()
+
+
+def _cpu_backend() -> str:
+    global _warned_native
+    try:
+        _native.library()
+        return "cpu"
+    except _native.NativeUnavailable as exc:
+        if not _warned_native:
+            _warned_native = True
+            warnings.warn(
+                f"megatron_zeropp.quant: the C kernels for CPU tensors are unavailable ({exc}); "
+                f"using the slower pure-torch CPU backend (set {BACKEND_ENV}=cpu_torch to "
+                "choose it and silence this)", RuntimeWarning, stacklevel=3)
+        return "cpu_torch"
 
 
 def _impl(device):
-    return {"triton": _triton, "cpu": _cpu}.get(backend_for(device))
+    return {"triton": _triton, "cpu": _native, "cpu_torch": _cpu_torch}.get(backend_for(device))
 
 
 def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor,
@@ -150,8 +181,9 @@ def dequantize_reduce(
     """Sum P pieces ``data (P, C, nbytes)`` / ``scales (P, C, nblocks)`` in fp32, per element.
 
     Piece order 0..P-1, each piece added with one rounding (``fl(acc + q * s)``, a fused
-    multiply-add) on the Triton and reference backends; the CPU backend rounds the product too
-    (``fl(acc + fl(q * s))``, within ``(3P - 2) * 2**-24 * sum |q * s|`` of the reference).
+    multiply-add) on the Triton, C (``cpu``) and reference backends; ``cpu_torch`` rounds the
+    product too (``fl(acc + fl(q * s))``, within ``(3P - 2) * 2**-24 * sum |q * s|`` of the
+    reference).
 
     With ``out_bits`` the C row sums are requantized (``out_block_size`` defaults to
     ``block_size``) and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; without,

@@ -1,4 +1,8 @@
-"""The CPU backend: the reference's formats and quantizer, with a plain-fp32 dequantize-reduce.
+"""The pure-torch CPU backend: the reference's quantizer, a plain-fp32 dequantize-reduce.
+
+CPU tensors use the C kernels of :mod:`.cpu_native` (bit-identical to the reference, about 7x
+faster); this module is what they fall back to, with a warning, where no C compiler is found,
+and what ``ZEROPP_QUANT_BACKEND=cpu_torch`` selects.
 
 The reference's :func:`~megatron_zeropp.quant.qgz_reference.fma32` emulates a fused multiply-add
 in fp64 (about ten fp64 passes per piece) so that it matches the GPU kernels bit for bit; on CPU
