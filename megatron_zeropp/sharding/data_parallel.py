@@ -17,7 +17,8 @@ Data flow of one unit (≈ one transformer layer) in one training step::
     optimizer step      DistributedOptimizer updates its fp32 shard and writes the 16-bit
                         result into the primary shard (see optimizer/zero3.py);
                         start_param_sync() then bumps the weight version, which makes every
-                        hpZ secondary stale (reading it raises) until the next forward gather.
+                        hpZ secondary stale (reading it raises) until the next forward gather,
+                        and starts the next forward's first gathers.
 
 The methods megatron-core's schedules, ``finalize_model_grads`` and ``DistributedOptimizer`` call
 (``no_sync``, ``start_grad_sync``, ``finish_grad_sync``, ``start_param_sync``,
