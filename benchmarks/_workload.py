@@ -187,6 +187,9 @@ def timed_iteration(built: Built, spec: ModelSpec, step: int, total: int) -> flo
     dist.barrier()
     start = time.perf_counter()
     train_iteration(built, spec, step)
+    # The gathers the step's end starts for the next step belong to this iteration: without
+    # the wait they would run inside the next configuration's timed iteration.
+    built.wrapped.wait_for_gathers()
     dist.barrier()
     return time.perf_counter() - start
 

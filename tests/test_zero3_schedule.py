@@ -4,6 +4,7 @@ many units hold full weights at once."""
 import pytest
 
 from megatron_zeropp.sharding import ZeroPPConfig
+from megatron_zeropp.sharding.unit import UnitState
 from megatron_zeropp.simulated_nodes import run_distributed
 
 
@@ -41,8 +42,12 @@ def _instrumented(ctx, zeropp, ddp, steps=3, nmb=1):
     # `prefetch_depth` ones, which started gathering when the optimizer step ended.
     held = [u.name for u in wrapped.units if u.state is not UnitState.RELEASED]
     first = [u.name for u in wrapped._forward_order[:zeropp.prefetch_depth]]
+    in_flight = [u.name for u in wrapped.units if u.state is UnitState.GATHERING]
+    wrapped.wait_for_gathers()
+    after_wait = sorted({u.state.value for u in wrapped.units if u.name in held})
     return {"results": results, "calls": calls, "max_live": live["max"],
-            "async": live["async"], "units": len(wrapped.units), "held": held, "first": first}
+            "async": live["async"], "units": len(wrapped.units), "held": held, "first": first,
+            "in_flight": in_flight, "after_wait": after_wait}
 
 
 def test_reduction_once_per_step_and_gathers_per_micro_batch():
@@ -76,6 +81,9 @@ def test_at_most_a_few_units_hold_full_weights(depth):
     # backward gathers and only the embedding's own backward releases
     assert out["max_live"] <= 2 + depth, out["max_live"]
     assert out["held"] == out["first"] and len(out["first"]) == depth, out
+    # still in flight when the step returned; wait_for_gathers finishes them and keeps them
+    assert out["in_flight"] == out["first"], out
+    assert out["after_wait"] == ([UnitState.GATHERED.value] if depth else []), out
     assert out["max_live"] < out["units"]
 
 

@@ -382,6 +382,13 @@ class ZeroPPDataParallel(_BaseDataParallel):
                 dist.broadcast(p.data, src=src, group=self.comm.dp_group)
 
     # -- whole-model access ----------------------------------------------------------------
+    def wait_for_gathers(self) -> None:
+        """Finish every in-flight gather (e.g. the next step's first units, started by
+        :meth:`start_param_sync`) and keep the weights: for timing a step with all of its
+        communication inside it."""
+        for unit in self.units:
+            unit.wait()
+
     def release_all(self) -> None:
         """Wait for in-flight gathers and free every unit's full weights."""
         for unit in self.units:
