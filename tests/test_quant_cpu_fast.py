@@ -4,6 +4,7 @@ megatron_zeropp/quant/cpu_fast.py: |fast - ref| <= (3P - 2) u sum|q s|."""
 
 import pytest
 import torch
+from quant_pieces import quantized_pieces as _pieces
 
 from megatron_zeropp import quant
 from megatron_zeropp.quant import cpu_fast
@@ -11,19 +12,6 @@ from megatron_zeropp.quant import qgz_reference as qref
 from megatron_zeropp.quant import reference as ref
 
 U = 2.0**-24
-
-
-def _pieces(pieces, rows, numel, bits, bs, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    data, scales = [], []
-    for _ in range(pieces):
-        # magnitudes spread over 2**-10..2**10, so partial sums cancel and round a lot
-        x = torch.randn(rows, numel, generator=g) * 2.0 ** torch.randint(-10, 10, (rows, 1),
-                                                                          generator=g)
-        d, s = ref.quantize_chunks(x, bits, bs)
-        data.append(d)
-        scales.append(s)
-    return torch.stack(data), torch.stack(scales)
 
 
 def _terms_abs_sum(data, scales, bits, bs, numel):

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from quant_pieces import quantized_pieces as _pieces
 
 from megatron_zeropp import quant
 from megatron_zeropp.quant import cpu_fast, cpu_native
@@ -77,19 +78,6 @@ def test_dequantize_into_a_buffer():
         assert torch.equal(buf, ref.dequantize_chunks(data, scales, 8, 32, 333, dtype))
     with pytest.raises(ValueError, match="out must be"):
         cpu_native.dequantize_chunks(data, scales, 8, 32, 333, torch.float32, out=buf)
-
-
-def _pieces(pieces, rows, numel, bits, bs, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    data, scales = [], []
-    for _ in range(pieces):
-        # magnitudes spread over 2**-10..2**10, so partial sums cancel and round a lot
-        x = torch.randn(rows, numel, generator=g) * 2.0 ** torch.randint(-10, 10, (rows, 1),
-                                                                          generator=g)
-        d, s = ref.quantize_chunks(x, bits, bs)
-        data.append(d)
-        scales.append(s)
-    return torch.stack(data), torch.stack(scales)
 
 
 @pytest.mark.parametrize("bits", (4, 8))
