@@ -93,12 +93,8 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
                       numel: int, dtype: torch.dtype,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Bit-identical to the reference's: one fp32 product per element (into ``out`` if given)."""
-    if data.dim() != 2:
-        raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
-    _ref.check_codes(data, scales, bits, block_size, numel)
-    _ref.check_float_dtype(dtype, "output dtype")
-    rows, nblocks = scales.shape
-    _ref.check_out(out, rows, numel, dtype, data.device)
+    rows = _ref.check_dequantize_input(data, scales, bits, block_size, numel, dtype, out)
+    nblocks = scales.shape[1]
     q = codes_fp32(data, bits).view(rows, nblocks, block_size).mul_(scales.unsqueeze(-1))
     if out is None:
         return q.view(rows, -1)[:, :numel].to(dtype)

@@ -240,12 +240,7 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
                       numel: int, dtype: torch.dtype,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Bit-identical to the reference's ``dequantize_chunks`` (into ``out`` when given)."""
-    if data.dim() != 2:
-        raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
-    _ref.check_codes(data, scales, bits, block_size, numel)
-    _ref.check_float_dtype(dtype, "output dtype")
-    rows = scales.shape[0]
-    _ref.check_out(out, rows, numel, dtype, data.device)
+    rows = _ref.check_dequantize_input(data, scales, bits, block_size, numel, dtype, out)
     _check_cpu(data)
     data, scales = _rows_in_place(data), scales.contiguous()
     written, result = _output(rows, numel, dtype, out)

@@ -225,18 +225,26 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of :func:`quantize_chunks`: ``(C, numel)`` in ``dtype`` (padding dropped),
     written into ``out`` when given."""
-    if data.dim() != 2:
-        raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
-    check_codes(data, scales, bits, block_size, numel)
-    check_float_dtype(dtype, "output dtype")
-    rows, nblocks = scales.shape
-    check_out(out, rows, numel, dtype, data.device)
+    rows = check_dequantize_input(data, scales, bits, block_size, numel, dtype, out)
+    nblocks = scales.shape[1]
     q = unpack_codes(data, bits).view(rows, nblocks, block_size).to(torch.float32)
     x = (q * scales.unsqueeze(-1)).view(rows, nblocks * block_size)
     if out is None:
         return x[:, :numel].to(dtype)
     out.copy_(x[:, :numel])
     return out
+
+
+def check_dequantize_input(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+                           numel: int, dtype: torch.dtype, out: Optional[torch.Tensor]) -> int:
+    """Every backend's checks of :func:`dequantize_chunks`' arguments; returns the row count."""
+    if data.dim() != 2:
+        raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
+    check_codes(data, scales, bits, block_size, numel)
+    check_float_dtype(dtype, "output dtype")
+    rows = scales.shape[0]
+    check_out(out, rows, numel, dtype, data.device)
+    return rows
 
 
 def check_out(out, rows: int, numel: int, dtype: torch.dtype, device) -> None:

@@ -41,9 +41,8 @@ from .qgz_reference import check_reduce_input, check_swizzle_input
 from .reference import (
     QMAX,
     check_bits_and_block_size,
-    check_codes,
+    check_dequantize_input,
     check_float_dtype,
-    check_out,
     quantized_sizes,
 )
 
@@ -535,12 +534,7 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
                       numel: int, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
                       **tuning) -> torch.Tensor:
     """Triton :func:`.reference.dequantize_chunks`."""
-    if data.dim() != 2:
-        raise ValueError(f"expected 2-D codes, got shape {tuple(data.shape)}")
-    check_codes(data, scales, bits, block_size, numel)
-    check_float_dtype(dtype, "output dtype")
-    rows = data.shape[0]
-    check_out(out, rows, numel, dtype, data.device)
+    rows = check_dequantize_input(data, scales, bits, block_size, numel, dtype, out)
     if out is None:
         out = torch.empty(rows, numel, dtype=dtype, device=data.device)
     if rows == 0 or numel == 0:
