@@ -103,6 +103,9 @@ def job_argv(run: GpuRun, name: str) -> List[str]:
         "--train-iters", str(run.train_iters), "--lr-warmup-iters", str(run.warmup_iters),
         "--eval-interval", str(run.eval_interval), "--eval-iters", str(run.eval_iters),
         "--ranks-per-node", str(run.gpus // 2), "--save", ckpt, "--load", ckpt,
+        # each job its own index cache: jobs start together, and sharing megatron-core's
+        # default cache next to the data let one read the .npy another was still writing
+        "--data-cache-path", os.path.join(run.run_dir, name, "data_cache"),
         "--exit-duration-in-mins", f"{run.minutes:g}",
     ] + seed + flags + _qgz_error_flags(run, name, flags)
 

@@ -117,6 +117,15 @@ def test_end_to_end_on_cpu_hpz_identical_to_zero3(tmp_path, capsys):
     assert "none (identical)" in out and os.path.getsize(tmp_path / "c.png") > 0
 
 
+def test_every_job_has_its_own_index_cache(tmp_path):
+    # Concurrent jobs sharing megatron-core's default cache next to the data raced on its .npy
+    # files (one read a file another was writing: EOFError in build_gpt_datasets).
+    run = _run(tmp_path, configs={"zero3": (), "hpz": ("--zeropp-hpz",)})
+    caches = {name: _flag(G.job_argv(run, name), "--data-cache-path") for name in run.configs}
+    assert len(set(caches.values())) == len(caches)
+    assert all(c.startswith(run.run_dir) for c in caches.values())
+
+
 def test_qgz_error_diagnostic_only_where_qgz_runs(tmp_path):
     run = _run(tmp_path, configs={"zero3": (), "all3": ("--zeropp-qwz", "--zeropp-qgz")},
                qgz_error_interval=20)
