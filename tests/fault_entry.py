@@ -25,7 +25,7 @@ def _hook():
         if kind == "kill" and (rank, iteration) == tuple(nums):
             os._exit(9)
         if kind == "kill_save" and (rank, iteration) == tuple(nums):
-            from megatron_zeropp.training import checkpoint
+            from megatron_zeropp.checkpointing import legacy as checkpoint
 
             def die(*args, **kwargs):
                 os._exit(9)

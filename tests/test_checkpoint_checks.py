@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
+from megatron_zeropp.checkpointing import checks as cc
 from megatron_zeropp.errors import StartupError
-from megatron_zeropp.training import checkpoint_checks as cc
 from megatron_zeropp.training.arguments import parse_args
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
+from megatron_zeropp.checkpointing.legacy import iteration_dir, latest_iteration
+from megatron_zeropp.checkpointing.sharded_state import flat_range_boxes
 from megatron_zeropp.simulated_nodes import DistributedFailure, run_distributed
-from megatron_zeropp.training.checkpoint import iteration_dir, latest_iteration
-from megatron_zeropp.training.zero_sharded_state import flat_range_boxes
 
 ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 DIST = ["--ckpt-format", "torch_dist"]

@@ -77,7 +77,7 @@ def _zeropp_load(ctx, root, zeropp, load_optim=True):
     """Our ZeRO++ layer loads the checkpoint and trains on."""
     from zero3_runs import build, full_params, train
 
-    from megatron_zeropp.training import checkpoint_dist
+    from megatron_zeropp.checkpointing import dist as checkpoint_dist
 
     _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp)
     it, consumed = checkpoint_dist.load_checkpoint(root, [wrapped], optimizer,
@@ -90,7 +90,7 @@ def _megatron_impl_load(ctx, root):
     """This project's loader with --data-parallel-impl megatron (megatron-core's DDP)."""
     from zero3_runs import build, full_params, train
 
-    from megatron_zeropp.training import checkpoint_dist
+    from megatron_zeropp.checkpointing import dist as checkpoint_dist
 
     _, wrapped, optimizer = build(ctx, 1, 1, "megatron")
     checkpoint_dist.load_checkpoint(root, [wrapped], optimizer, load_rng=False)
@@ -100,7 +100,7 @@ def _megatron_impl_load(ctx, root):
 def _zeropp_save(ctx, root, zeropp):
     from zero3_runs import build, full_params, train
 
-    from megatron_zeropp.training import checkpoint_dist
+    from megatron_zeropp.checkpointing import dist as checkpoint_dist
 
     _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp)
     train(wrapped, optimizer, STEPS)
@@ -115,7 +115,7 @@ def _megatron_lm_load(ctx, root):
     from megatron.core import dist_checkpointing
     from zero3_runs import build, full_params, train
 
-    from megatron_zeropp.training.checkpoint_dist import _keeping_adam_steps
+    from megatron_zeropp.checkpointing.dist import _keeping_adam_steps
 
     _, wrapped, optimizer = build(ctx, 1, 1, "megatron")
     directory = os.path.join(root, f"iter_{STEPS:07d}")

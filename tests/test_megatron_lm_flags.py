@@ -113,7 +113,7 @@ def _argv(tmp, extra):
 
 
 def test_exit_duration_saves_and_stops_then_finetune_starts_at_zero(tmp_path):
-    from megatron_zeropp.training.checkpoint import iteration_dir, latest_iteration
+    from megatron_zeropp.checkpointing.legacy import iteration_dir, latest_iteration
 
     save = str(tmp_path / "ckpt")
     # A limit already passed after the first step: every rank stops there, after saving.

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from megatron_zeropp.checkpointing.legacy import iteration_dir, latest_iteration
 from megatron_zeropp.simulated_nodes import DistributedFailure, run_distributed
-from megatron_zeropp.training.checkpoint import iteration_dir, latest_iteration
 
 ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 
@@ -21,7 +21,7 @@ def _argv(sample_dir, iters, extra=()):
 
 
 def _pretrain(ctx, argv, capture_at=(), kill_save_at=None):
-    from megatron_zeropp.training import checkpoint
+    from megatron_zeropp.checkpointing import legacy as checkpoint
     from megatron_zeropp.training.loop import pretrain
 
     captured = {}

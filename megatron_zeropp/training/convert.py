@@ -24,9 +24,11 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from megatron_zeropp.backend import init_distributed, init_megatron
+from megatron_zeropp.checkpointing import checks as checkpoint_checks
+from megatron_zeropp.checkpointing import dist as checkpoint_dist
+from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.topology import build_topology
 
-from . import checkpoint, checkpoint_checks, checkpoint_dist
 from .arguments import parse_args
 from .megatron_lm_flags import CHECKPOINT_ARGS
 from .model import (

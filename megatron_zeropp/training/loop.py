@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeropp.backend import default_device, init_distributed, init_megatron
+from megatron_zeropp.checkpointing import checks as checkpoint_checks
+from megatron_zeropp.checkpointing import dist as checkpoint_dist
+from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.topology import build_topology
 
-from . import checkpoint, checkpoint_checks, checkpoint_dist
 from .arguments import parse_args, print_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
 from .gpt_step import eval_step, train_step

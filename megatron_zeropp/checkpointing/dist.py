@@ -15,7 +15,7 @@ Layout and keys are Megatron-LM's (``megatron/training/checkpointing.py``, core_
     num_floating_point_operations_so_far
 
 Under ZeRO-3 every rank writes only its primary shard's elements of each parameter, fp32 main
-weight and Adam moments (``zero_sharded_state``): nothing is gathered. With
+weight and Adam moments (``sharded_state``): nothing is gathered. With
 ``--data-parallel-impl megatron`` megatron-core's own ``sharded_state_dict`` methods run, as in
 Megatron-LM. The optimizer is stored as ``fully_reshardable`` (per-parameter tensors in model
 space) rather than Megatron-LM's default ``dp_reshardable`` (its internal bucket layout, which
@@ -24,7 +24,7 @@ and the data-parallel implementation may all change between save and load. Megat
 sharding type from the checkpoint, so it loads these at any layout; its own default checkpoints
 load here with ``--data-parallel-impl megatron`` and the same TP/PP, or their weights alone.
 
-The save is atomic as in the ``torch`` format (``checkpoint.begin_save`` / ``commit_save``).
+The save is atomic as in the ``torch`` format (``legacy.begin_save`` / ``commit_save``).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from megatron_zeropp.optimizer import distributed_optimizers
 
-from . import checkpoint_checks
-from .checkpoint import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
-from .zero_sharded_state import (
+from . import checks
+from .legacy import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
+from .sharded_state import (
     copy_loaded,
     unwrap_model,
     zero_model_sharded_state_dict,
@@ -273,7 +273,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     loaded = dist_checkpointing.load(request, directory)
     _apply(loaded, request, model_chunks, optimizer, zero, load_optim)
     if load_optim and scheduler is not None and "opt_param_scheduler" in loaded:
-        used = checkpoint_checks.load_scheduler(scheduler, loaded["opt_param_scheduler"],
+        used = checks.load_scheduler(scheduler, loaded["opt_param_scheduler"],
                                                 override_scheduler, use_checkpoint_scheduler)
         if dist.get_rank() == 0:
             print(f"> {used}", flush=True)

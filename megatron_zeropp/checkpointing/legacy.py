@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_zeropp.optimizer import distributed_optimizers
 
-from . import checkpoint_checks
+from . import checks
 
 FORMAT_VERSION = 1
 LATEST = "latest_checkpointed_iteration.txt"
@@ -150,14 +150,14 @@ def begin_save(root: str, iteration: int, overwrite: bool,
                model_config: Optional[dict] = None) -> str:
     """First half of an atomic save (every rank calls, either format): the checks, then rank 0
     makes a fresh ``iter_XXXXXXX.tmp`` for the ranks to write into; returns its path."""
-    checkpoint_checks.check_save_iteration(root, iteration, overwrite)
+    checks.check_save_iteration(root, iteration, overwrite)
     tmp = iteration_dir(root, iteration) + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(tmp)
         if model_config is not None:
-            checkpoint_checks.write_model_config(tmp, model_config)
+            checks.write_model_config(tmp, model_config)
     dist.barrier()
     return tmp
 
@@ -182,7 +182,7 @@ def commit_save(root: str, iteration: int) -> str:
     return final
 
 
-latest_iteration = checkpoint_checks.latest_iteration
+latest_iteration = checks.latest_iteration
 
 
 def _read_states(directory: str, lay: dict) -> List[dict]:
@@ -233,7 +233,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                     use_checkpoint_scheduler: bool = False) -> Tuple[int, int]:
     """Load a checkpoint (every rank calls); returns ``(iteration, consumed_samples)``.
 
-    The LR schedule follows Megatron-LM's rules (see :func:`checkpoint_checks.load_scheduler`);
+    The LR schedule follows Megatron-LM's rules (see :func:`checks.load_scheduler`);
     the line saying which schedule was used is logged by rank 0.
     """
     it = latest_iteration(root) if iteration is None else iteration
@@ -272,7 +272,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     first = states[0]
     if load_optim:
         if scheduler is not None and first["scheduler"] is not None:
-            used = checkpoint_checks.load_scheduler(scheduler, first["scheduler"],
+            used = checks.load_scheduler(scheduler, first["scheduler"],
                                                     override_scheduler, use_checkpoint_scheduler)
             if dist.get_rank() == 0:
                 print(f"> {used}", flush=True)
