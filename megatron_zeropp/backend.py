@@ -22,36 +22,23 @@ def default_device() -> torch.device:
 
 
 def apply_cpu_patches() -> bool:
-    """Patch megatron-core for CPU/gloo when there is no CUDA (see ``patches/``); else no-op.
+    """Patch megatron-core for CPU/gloo when there is no CUDA (:mod:`megatron_zeropp.mcore.
+    cpu_patches`); else no-op. Returns True when the patches are in effect."""
+    from megatron_zeropp.mcore import cpu_patches
 
-    Returns True when the patches are in effect.
-    """
     if cuda_available():
         return False
-    return _patch_module("mcore_cpu").apply()
+    return cpu_patches.apply()
 
 
 def apply_mcore_patches() -> None:
-    """Every megatron-core patch this process needs (see ``patches/``): the CPU patches when
-    there is no CUDA, and the device-side gradient norm wherever megatron-core would fall back
-    to its host-syncing one (no apex, no Transformer Engine)."""
+    """Every megatron-core patch this process needs: the CPU patches when there is no CUDA, and
+    the device-side gradient norm wherever megatron-core would fall back to its host-syncing
+    one (no apex, no Transformer Engine; :mod:`megatron_zeropp.mcore.grad_norm`)."""
+    from megatron_zeropp.mcore import grad_norm
+
     apply_cpu_patches()
-    _patch_module("mcore_grad_norm").apply()
-
-
-def _patch_module(name: str):
-    """``patches/<name>.py``: installed as ``megatron_zeropp._patches``; in a source checkout
-    run without installing (``PYTHONPATH=<repo>``, as Megatron-LM is often run) it is the
-    top-level ``patches`` package next to pretrain_gpt.py."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"megatron_zeropp._patches.{name}")
-    except ModuleNotFoundError as installed:
-        if installed.name not in ("megatron_zeropp._patches",
-                                  f"megatron_zeropp._patches.{name}"):
-            raise
-    return importlib.import_module(f"patches.{name}")
+    grad_norm.apply()
 
 
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> str:

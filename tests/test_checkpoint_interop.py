@@ -115,7 +115,7 @@ def _megatron_lm_load(ctx, root):
     from megatron.core import dist_checkpointing
     from zero3_runs import build, full_params, train
 
-    from megatron_zeropp.checkpointing.dist import _keeping_adam_steps
+    from megatron_zeropp.mcore.checkpoint import keeping_adam_steps
 
     _, wrapped, optimizer = build(ctx, 1, 1, "megatron")
     directory = os.path.join(root, f"iter_{STEPS:07d}")
@@ -129,10 +129,10 @@ def _megatron_lm_load(ctx, root):
     request["optimizer"] = optimizer.sharded_state_dict(request, is_loading=True, metadata=meta)
     loaded = dist_checkpointing.load(request, directory)
     wrapped.module.load_state_dict(loaded["model"])
-    with _keeping_adam_steps(optimizer):
+    with keeping_adam_steps(optimizer.chained_optimizers):
         optimizer.load_state_dict(loaded["optimizer"])
     for state in optimizer.chained_optimizers[0].optimizer.state.values():
-        state["step"] = state["step"].clone()  # see checkpoint_dist._unshare_adam_steps
+        state["step"] = state["step"].clone()  # see mcore.checkpoint.unshare_adam_steps
     params = full_params(wrapped)
     return common["iteration"], params, train(wrapped, optimizer, STEPS, data_seed=1)
 

@@ -1,11 +1,11 @@
-"""patches/mcore_grad_norm.py: megatron-core's no-apex gradient norm without host syncs."""
+"""megatron_zeropp/mcore/grad_norm.py: megatron-core's no-apex gradient norm without host syncs."""
 
 import pytest
 import torch
-from megatron_zeropp._patches import mcore_grad_norm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_zeropp.backend import apply_mcore_patches
+from megatron_zeropp.mcore import grad_norm as mcore_grad_norm
 from megatron_zeropp.simulated_nodes import run_distributed
 
 

@@ -322,7 +322,7 @@ def _gathers_during_optimizer_construction(ctx):
 
     opts = list(distributed_optimizers(optimizer))
     mains = [m for opt in opts for g in opt.shard_fp32_groups for m in g]
-    primaries = [p.zeropp_primary for p in wrapped.params_with_grad]
+    primaries = [wrapped.shard_map[p].primary for p in wrapped.params_with_grad]
     same = bool(mains) and all(any(m.data_ptr() == v.data_ptr() for v in primaries if v.numel())
                                for m in mains if m.numel())
     return started, wrapped.memory_bytes()["gathered"], [type(o).__name__ for o in opts], same

@@ -30,7 +30,6 @@ The save is atomic as in the ``torch`` format (``legacy.begin_save`` / ``commit_
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 from typing import List, Optional, Tuple
@@ -39,6 +38,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_zeropp.mcore.checkpoint import (
+    init_dummy_optimizer_states,
+    keeping_adam_steps,
+    unshare_adam_steps,
+)
 from megatron_zeropp.optimizer import distributed_optimizers
 
 from . import checks
@@ -165,7 +169,7 @@ def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
                 if not opt.optimizer.state:
                     # megatron-core reads the Adam step from existing state first (torch Adam,
                     # without apex/TE); the dummy values are overwritten by the load.
-                    opt._init_optimizer_states_with_dummy_values()
+                    init_dummy_optimizer_states(opt)
         out["optimizer"] = optimizer.sharded_state_dict(out, is_loading=is_loading,
                                                         metadata=metadata)
     return out
@@ -209,11 +213,12 @@ def _load_optimizer_common(opt, common: dict) -> None:
     opt.load_state_dict({k: v for k, v in common.items() if k in ("optimizer", "grad_scaler")})
 
 
-def _main_from_weights(opt) -> None:
+def _main_from_weights(opt, chunks) -> None:
     """fp32 main weights from the (just loaded) 16-bit primary shards (no optimizer state)."""
+    shards = {p: s for chunk in chunks for p, s in chunk.shard_map.items()}
     for mains, models in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups):
         for main, p in zip(mains, models):
-            main.view(-1).copy_(p.zeropp_primary)
+            main.view(-1).copy_(shards[p].primary)
 
 
 def read_common(root: str, iteration: int) -> dict:
@@ -291,9 +296,9 @@ def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> 
         opt = _single_optimizer(optimizer)
         if load_optim:
             copy_loaded(request["optimizer"], loaded["optimizer"])
-            _unshare_adam_steps(optimizer)
+            unshare_adam_steps(distributed_optimizers(optimizer))
         else:
-            _main_from_weights(opt)
+            _main_from_weights(opt, chunks)
         for chunk in chunks:
             chunk.start_param_sync(force_sync=True)  # new weights: hpZ copies are stale
         return
@@ -302,49 +307,11 @@ def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> 
     if load_optim:
         # no_grad: megatron-core's dp_reshardable loader copies into fp32 shard views of the
         # parameters (fp32 models) without it, which autograd refuses.
-        with _keeping_adam_steps(optimizer), torch.no_grad():
+        with keeping_adam_steps(distributed_optimizers(optimizer)), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(optimizer)
+        unshare_adam_steps(distributed_optimizers(optimizer))
     else:
         optimizer.reload_model_params()
-
-
-@contextlib.contextmanager
-def _keeping_adam_steps(optimizer):
-    """Keep the Adam ``step`` that megatron-core 0.16.1 just set from the checkpoint's param
-    groups when it then copies the per-parameter tensors. torch's Adam keeps a ``step`` per
-    parameter (apex/TE's fused Adam, which megatron-core expects, does not), and those tensors
-    hold none (``fully_reshardable``: ``KeyError: 'step'``) or the pre-load dummy state's
-    (``dp_reshardable``: the step silently reverts to 1, and Adam's bias correction with it)."""
-    patched = []
-    for opt in distributed_optimizers(optimizer):
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, opt=opt, original=original):
-            group, order = opt.model_param_group_index_map[model_param]
-            main = opt.optimizer.param_groups[group]["params"][order]
-            step = opt.optimizer.state.get(main, {}).get("step")
-            if step is not None:
-                tensors = {**tensors, "step": step}
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    # megatron-core's DistributedOptimizer.load_state_dict gives every parameter the same 'step'
-    # tensor; torch's Adam increments each parameter's step in place, so a shared one advances
-    # once per parameter per iteration and the bias correction goes wrong after a resume.
-    for opt in distributed_optimizers(optimizer):
-        for state in opt.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
 
 
 def saved_args(root: str, iteration: int) -> dict:

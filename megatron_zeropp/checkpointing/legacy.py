@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_zeropp.mcore.optimizer import copy_main_params_to_model_params, param_range
 from megatron_zeropp.optimizer import distributed_optimizers
 
 from . import checks
@@ -76,8 +77,8 @@ def _owned(optimizer, model_chunks):
         ):
             for main_group, model_group in zip(mains, models):
                 for main, p in zip(main_group, model_group):
-                    r = opt._get_model_param_range_map(p)["param"]
-                    yield opt, names[p], p, main, (r.start, r.end)
+                    r = param_range(opt, p)
+                    yield opt, names[p], p, main, (r.start, r.stop)
 
 
 def _rng_state() -> dict:
@@ -266,7 +267,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                 "exp_avg_sq": values["exp_avg_sq"].view_as(main).to(main.device).clone(),
             }
     for opt in distributed_optimizers(optimizer):
-        opt._copy_main_params_to_model_params()
+        copy_main_params_to_model_params(opt)
     for chunk in model_chunks:
         chunk.start_param_sync(force_sync=True)
     first = states[0]

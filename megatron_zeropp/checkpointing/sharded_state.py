@@ -70,23 +70,9 @@ def unwrap_model(chunk) -> torch.nn.Module:
 
 def zero_param_ranges(chunk) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
     """Element range ``[start, end)`` of every parameter that this DP rank's primary shard holds
-    (empty ranges left out), from the units' buffers; the range megatron-core's distributed
+    (empty ranges left out), from the chunk's shard map; the range megatron-core's distributed
     optimizer gives the same parameter."""
-    ranges = {}
-    for unit in chunk.units:
-        for buf in unit.buffers:
-            for p, (start, end, bucket_id) in buf.param_index_map.items():
-                bucket = buf.buckets[bucket_id]
-                c = unit.shards[unit.buckets.index(bucket)].numel()
-                lo_chunk = bucket.offset + unit.comm.dp_rank * c
-                lo, hi = max(start, lo_chunk), min(end, lo_chunk + c)
-                if hi > lo:
-                    ranges[p] = (lo - start, hi - start)
-                    if p.zeropp_primary.numel() != hi - lo:
-                        raise RuntimeError(
-                            f"primary shard of {tuple(p.shape)} has {p.zeropp_primary.numel()} "
-                            f"elements, its range [{lo - start}, {hi - start})")
-    return ranges
+    return {p: (s.start, s.end) for p, s in chunk.shard_map.items() if s.end > s.start}
 
 
 def _leaves(template, key: str, shape, dtype) -> List[Tuple[object, int]]:
@@ -179,7 +165,8 @@ def zero_model_sharded_state_dict(chunk, metadata: Optional[dict] = None):
     for name, template in list(_templates(sd, params)):
         p = params[id(template.data)]
         templates[p] = template
-        boxes = shard_boxes(template, template.key, p.shape, ranges[p], p.zeropp_primary) \
+        boxes = shard_boxes(template, template.key, p.shape, ranges[p],
+                           chunk.shard_map[p].primary) \
             if p in ranges else []
         if boxes:
             sd[name] = boxes

@@ -28,6 +28,8 @@ import importlib.util
 import os
 from typing import Any
 
+from megatron_zeropp.mcore.tokenizers import from_pretrained
+
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer",
                    "GPT2BPETokenizer", "Llama2Tokenizer", "TikTokenizer")
 """The ``--tokenizer-type`` values we accept."""
@@ -97,14 +99,7 @@ def build_tokenizer(
                 )
             library, path = "huggingface", tokenizer_model
 
-    # Imported here: megatron.core pulls in most of megatron-core (seconds), which plain
-    # `import megatron_zeropp.data.tokenizers` (e.g. for TOKENIZER_TYPES in an argument parser)
-    # should not pay.
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    return MegatronTokenizer.from_pretrained(
-        tokenizer_path=path, metadata_path={"library": library}, **kwargs
-    )
+    return from_pretrained(path, library, **kwargs)
 
 
 def _need(package: str, tokenizer_type: str) -> None:
@@ -120,8 +115,6 @@ def _gpt2_bpe(vocab_file, merge_file, **kwargs):
     import hashlib
     import json
     import tempfile
-
-    from megatron.core.tokenizers import MegatronTokenizer
 
     # megatron-core's "megatron" library would ask the Hugging Face hub for gpt2's config; a
     # local directory with the two files and a config naming GPT-2's tokenizer needs no network.
@@ -145,9 +138,7 @@ def _gpt2_bpe(vocab_file, merge_file, **kwargs):
         json.dump({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>",
                    "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
     os.replace(f"{config}.{os.getpid()}", config)
-    return MegatronTokenizer.from_pretrained(
-        tokenizer_path=directory, metadata_path={"library": "huggingface"}, **kwargs
-    )
+    return from_pretrained(directory, "huggingface", **kwargs)
 
 
 def _tiktoken(tokenizer_model, tiktoken_pattern=None, **kwargs):
@@ -155,13 +146,10 @@ def _tiktoken(tokenizer_model, tiktoken_pattern=None, **kwargs):
         raise ValueError(f"TikTokenizer needs an existing vocabulary .json, got "
                          f"{tokenizer_model!r}")
     _need("tiktoken", "TikTokenizer")
-    from megatron.core.tokenizers import MegatronTokenizer
 
     if tiktoken_pattern is not None:
         kwargs["pattern"] = tiktoken_pattern
-    return MegatronTokenizer.from_pretrained(
-        tokenizer_path=tokenizer_model, metadata_path={"library": "tiktoken"}, **kwargs
-    )
+    return from_pretrained(tokenizer_model, "tiktoken", **kwargs)
 
 
 def padded_vocab_size(

@@ -9,21 +9,23 @@ Data flow of one unit (≈ one transformer layer) in one training step::
     forward post-hook   release the full weights; hook the outputs for backward
     output grad hook    gather again (hpZ: inside the node), prefetch the previous unit
     grad accumulation   megatron-core's main_grad; when the unit's last grad arrived,
-                        release the weights; on the last micro-batch the unit's buckets are
-                        reduce-scattered (qgZ: 2-hop INT4 all-to-all) into chunk r of the
-                        grad buffer, where DistributedOptimizer reads it. With shard_grads,
-                        every micro-batch reduces the unit at once into an fp32 shard and
-                        frees its full gradients.
+                        release the weights; on the last micro-batch the unit reduce-scatters
+                        its buckets (qgZ: 2-hop INT4 all-to-all) into chunk r of the grad
+                        buffer, where DistributedOptimizer reads it. With shard_grads, every
+                        micro-batch reduces the unit at once into an fp32 shard and frees its
+                        full gradients. The unit owns its gradients either way: megatron-core's
+                        buckets are only the optimizer's view of the memory.
     optimizer step      DistributedOptimizer updates its fp32 shard and writes the 16-bit
-                        result into the primary shard (see optimizer/zero3.py);
+                        result into the primary shard (the shard map's views;
+                        see mcore/optimizer.py);
                         start_param_sync() then bumps the weight version, which makes every
                         hpZ secondary stale (reading it raises) until the next forward gather,
                         and starts the next forward's first gathers.
 
 The methods megatron-core's schedules, ``finalize_model_grads`` and ``DistributedOptimizer`` call
 (``no_sync``, ``start_grad_sync``, ``finish_grad_sync``, ``start_param_sync``,
-``zero_grad_buffer``, ``scale_gradients``, ``broadcast_params``, ``buffers``, ``bucket_groups``)
-keep their meaning.
+``zero_grad_buffer``, ``scale_gradients``, ``broadcast_params``, ``buffers``) keep their meaning;
+``shard_map`` tells the optimizer and checkpoints which part of each parameter this rank holds.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
+from megatron_zeropp.mcore.buffers import BaseDataParallel
 from megatron_zeropp.topology import ProcessGroups, Topology, build_process_groups
 
 from .config import ZeroPPConfig
-from .grad_sync import ZeroPPBucketGroup
 from .partition import CombinedBuffer, build_unit_buffers, find_units
+from .shard_map import ShardMap
 from .unit import ShardComm, ShardedUnit, UnitState
 
 
@@ -81,11 +83,14 @@ def _check_ddp_config(ddp_config) -> None:
         problems.append("average_in_collective is not supported (gradients are pre-scaled)")
     if getattr(ddp_config, "use_megatron_fsdp", False):
         problems.append("use_megatron_fsdp must be False")
+    if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
+        problems.append("check_for_nan_in_grad / check_for_large_grads are not supported (the "
+                        "training loop checks the loss and the gradient norm every step)")
     if problems:
         raise ValueError("ZeroPPDataParallel: " + "; ".join(problems))
 
 
-class ZeroPPDataParallel(_BaseDataParallel):
+class ZeroPPDataParallel(BaseDataParallel):
     """Shard ``module``'s weights over the DP group and gather them just in time.
 
     Args:
@@ -123,6 +128,7 @@ class ZeroPPDataParallel(_BaseDataParallel):
         self.comm = ShardComm(zeropp, groups, topology)
         self.weight_version = 0
         self.overlap_param_gather_with_optimizer_step = False
+        self._last_microbatch = True  # False inside no_sync(): gradients only accumulate
         self._build_units(config, ddp_config, module, groups)
         self._hook_handles: list = []
         self._forward_order: List[ShardedUnit] = []
@@ -167,30 +173,22 @@ class ZeroPPDataParallel(_BaseDataParallel):
         if self.units:
             _move_leftovers(module, self.units[0].buckets[0].param_data.device)
         self.param_to_unit = {p: u for u in self.units for p in u.params}
+        # What the optimizer and checkpoints read and write instead of the (transient) full
+        # parameters.
+        self.shard_map: ShardMap = {}
         for unit in self.units:
-            # What the optimizer reads and writes instead of the (transient) full parameter.
-            for p, view in unit.chunk_views(unit.shards).items():
-                p.zeropp_primary = view
+            self.shard_map.update(unit.shard_map())
         # One megatron-core-shaped buffer per dtype for the optimizer, units in reverse order
         # (megatron-core's buffers start from the end of the model too).
         parts: Dict[tuple, list] = {}
         for unit in reversed(self.units):
-            i = 0
             for buf in unit.buffers:
-                k = len(buf.buckets)
-                grad_shards = unit.grad_shards[i : i + k] if unit.shard_grads else [None] * k
-                i += k
-                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append((buf, grad_shards))
+                parts.setdefault((buf.param_dtype, buf.grad_dtype), []).append(buf)
         self.buffers = [CombinedBuffer(pd, gd, p) for (pd, gd), p in parts.items()]
         self.expert_parallel_buffers: list = []
-        self.bucket_groups = [
-            ZeroPPBucketGroup(unit.buckets, ddp_config, self.comm, unit)
-            for unit in reversed(self.units)
-        ]
+        # megatron-core's DDP communicates through bucket groups; the units do it here.
+        self.bucket_groups: list = []
         self.expert_parallel_bucket_groups: list = []
-        self.param_to_bucket_group = {
-            p: g for g in self.bucket_groups for p in g.params
-        }
         self.params_with_grad = [p for u in self.units for p in u.params]
         for p in self.params_with_grad:
             p.grad_added_to_main_grad = False
@@ -290,13 +288,13 @@ class ZeroPPDataParallel(_BaseDataParallel):
                 param.main_grad.add_(param.grad.data)
             param.grad = None
             unit = self.param_to_unit[param]
-            if self.zeropp.shard_grads:
-                if unit.grad_ready(param):
-                    unit.start_grad_reduce(async_op=bool(self.ddp_config.overlap_grad_reduce))
+            if not unit.grad_ready(param):
                 return
-            if self.ddp_config.overlap_grad_reduce:
-                self.param_to_bucket_group[param].register_grad_ready(param, False)
-            unit.grad_ready(param)
+            overlap = bool(self.ddp_config.overlap_grad_reduce)
+            if self.zeropp.shard_grads:
+                unit.start_grad_reduce(async_op=overlap)
+            elif overlap and self._last_microbatch:
+                unit.start_grad_reduce(async_op=True)
 
         return hook
 
@@ -304,36 +302,28 @@ class ZeroPPDataParallel(_BaseDataParallel):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients without reducing them (all but the last micro-batch)."""
-        for group in self.bucket_groups:
-            group.is_last_microbatch = False
+        self._last_microbatch = False
         try:
             yield
         finally:
-            for group in self.bucket_groups:
-                group.is_last_microbatch = True
+            self._last_microbatch = True
 
     def start_grad_sync(self, *unused):
-        """Launch every unit's gradient reduction."""
-        if self.zeropp.shard_grads:
-            for unit in reversed(self.units):
-                unit.start_grad_reduce(async_op=True)
-            return
-        for group in self.bucket_groups:
-            group.start_grad_sync()
+        """Launch every unit's gradient reduction that has not started yet."""
+        for unit in reversed(self.units):
+            unit.start_grad_reduce(async_op=True)
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
         """Finish gradient reductions; release any weights still gathered; raise if an hpZ read
         of this step saw a stale secondary (the step's one host read of that flag)."""
-        if self.zeropp.shard_grads:
-            if force_all_reduce:
-                raise ValueError("force_all_reduce is not supported by the ZeRO++ layer")
-            for unit in reversed(self.units):
-                unit.start_grad_reduce(async_op=False)  # leftovers (e.g. unused parameters)
-                unit.finish_grad_reduce()
+        if force_all_reduce:
+            raise ValueError("force_all_reduce is not supported by the ZeRO++ layer")
+        for unit in reversed(self.units):
+            # Leftovers: no overlap, or parameters without a gradient this step.
+            unit.start_grad_reduce(async_op=False)
+            unit.finish_grad_reduce()
+            if self.zeropp.shard_grads:
                 unit.point_main_grads_at_shards()
-        else:
-            for group in self.bucket_groups:
-                group.finish_grad_sync(force_all_reduce=force_all_reduce)
         self.release_all()
         self.comm.check_stale()
 
@@ -362,8 +352,6 @@ class ZeroPPDataParallel(_BaseDataParallel):
             p.grad_added_to_main_grad = False
         for unit in self.units:
             unit.zero_grads()
-        for group in self.bucket_groups:
-            group.reset()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale all gradients by ``scaling_factor``."""

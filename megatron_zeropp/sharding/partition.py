@@ -1,9 +1,10 @@
 """Split a model chunk into gather units and lay their parameters out in megatron-core buffers.
 
-Each unit gets its own megatron-core ``_ParamAndGradBuffer`` per (param dtype, grad dtype), so its
-weights can be freed independently of the others. megatron-core's ``DistributedOptimizer`` wants
-one buffer per dtype per model chunk; :class:`CombinedBuffer` presents the units' buckets as the
-buckets of one buffer (offsets rebased), without copying or moving any storage.
+Each unit gets its own megatron-core buffer per (param dtype, grad dtype) (built by
+:mod:`megatron_zeropp.mcore.buffers`), so its weights can be freed independently of the others.
+megatron-core's ``DistributedOptimizer`` wants one buffer per dtype per model chunk;
+:class:`CombinedBuffer` presents the units' buckets as the buckets of one buffer (offsets
+rebased), without copying or moving any storage.
 
 With ``unit="chunk"`` the whole chunk is one unit and the layout is exactly megatron-core's own
 (same parameter order, alignment, padding and shared-embedding bucket).
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+
+from megatron_zeropp.mcore.buffers import bucket_view, build_buffer, group_by_dtypes
 
 
 @dataclass
@@ -76,21 +79,12 @@ def build_unit_buffers(
 ) -> list:
     """megatron-core buffers for one unit, one per (param dtype, grad dtype), single bucket each
     (a shared embedding weight still gets its own bucket, as megatron-core requires)."""
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
-
-    by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
-    for p in spec.params:
-        grad_dtype = torch.float if ddp_config.grad_reduce_in_fp32 else p.dtype
-        by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
-    buffers = []
-    for (param_dtype, grad_dtype), params in by_dtype.items():
-        buffers.append(
-            _ParamAndGradBuffer(
-                ddp_config, param_dtype, grad_dtype, params, dp_group, None, param_names,
-                gradient_scaling_factor, list(range(len(params))), False, pg_collection,
-            )
-        )
-    return buffers
+    groups = group_by_dtypes(spec.params, ddp_config.grad_reduce_in_fp32)
+    return [
+        build_buffer(ddp_config, param_dtype, grad_dtype, params, dp_group,
+                     gradient_scaling_factor, param_names, pg_collection)
+        for (param_dtype, grad_dtype), params in groups.items()
+    ]
 
 
 class CombinedBuffer:
@@ -98,21 +92,22 @@ class CombinedBuffer:
 
     Exposes what ``DistributedOptimizer`` and ``partition_buckets`` read: dtypes, buckets (with
     ``offset``/``bucket_id`` rebased), ``param_index_map``, sizes and the DP group. Bucket objects
-    are new megatron-core ``_ParamAndGradBucket``s over the same tensors, tagged with the unit's
-    fp32 gradient shard (``None`` without ``shard_grads``), which tells the optimizer where its
-    gradients are. ``parts`` holds ``(buffer, grad shards or Nones)`` per unit buffer.
+    are new megatron-core buckets over the same tensors (:func:`mcore.buffers.bucket_view`): the
+    optimizer's view of the memory, never used for communication. ``buffers`` are the units'
+    buffers of this dtype pair, in the optimizer's order.
     """
 
-    def __init__(self, param_dtype, grad_dtype, parts: Sequence[Tuple[object, Sequence]]):
-        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket
-
+    def __init__(self, param_dtype, grad_dtype, buffers: Sequence[object]):
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
-        first = parts[0][0]
+        first = buffers[0]
         self.ddp_config = first.ddp_config
         self.data_parallel_group = first.data_parallel_group
         self.data_parallel_world_size = first.data_parallel_world_size
         self.gradient_scaling_factor = first.gradient_scaling_factor
+        # megatron-core 0.19 checks the layout was sized for the optimizer's group (0.16.1 never
+        # reads it): every unit's buffer is padded for the DP group.
+        self.num_optimizer_shards = first.data_parallel_world_size
         self.buckets = []
         self.param_index_map = {}
         self.param_to_bucket = {}
@@ -121,14 +116,12 @@ class CombinedBuffer:
         self.param_indices = []
         offset = 0
         unpadded = 0
-        for buffer, grad_shards in parts:
-            for bucket, grad_shard in zip(buffer.buckets, grad_shards):
-                combined = _ParamAndGradBucket(
-                    bucket.params_list, bucket.param_data, bucket.grad_data,
-                    offset + bucket.offset, bucket.numel_unpadded,
-                    bucket.gradient_scaling_factor, len(self.buckets),
-                )
-                combined.zeropp_grad_shard = grad_shard
+        for buffer in buffers:
+            rebased = {p: (offset + start, offset + end, 0)
+                       for p, (start, end, _) in buffer.param_index_map.items()}
+            for bucket in buffer.buckets:
+                combined = bucket_view(bucket, offset + bucket.offset, len(self.buckets),
+                                       rebased)
                 self.buckets.append(combined)
                 self.bucket_indices.append(
                     (combined.offset, combined.offset + bucket.grad_data.numel())

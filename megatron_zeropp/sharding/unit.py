@@ -47,6 +47,7 @@ from megatron_zeropp.comm.work import run_protocol
 
 from .config import ZeroPPConfig
 from .qgz_error import QgzErrorMeter, exact_chunk
+from .shard_map import ParamShard, ShardMap
 
 PHASES = ("forward", "backward", "grad")
 
@@ -221,6 +222,7 @@ class ShardedUnit:
         self.in_backward = False  # acquired by a backward pass, released by its last grad
         self.grads_pending: set = set()
         self._grads_live = False  # shard_grads: full grads allocated, not yet reduced
+        self._grads_reduced = False  # full buffers: this step's reduction was issued
         self._grad_handle = None
 
     # -- weight storage --------------------------------------------------------------------
@@ -367,21 +369,32 @@ class ShardedUnit:
         return True
 
     # -- sharded gradients ------------------------------------------------------------------
+    def _chunk_ranges(self):
+        """(parameter, bucket index k, [lo, hi) in the parameter, offset of lo in chunk k) for
+        every parameter: its part of chunk r of its bucket (empty when it lies outside)."""
+        for buf in self.buffers:
+            for p, (start, end, bucket_id) in buf.param_index_map.items():
+                bucket = buf.buckets[bucket_id]
+                k = self.buckets.index(bucket)
+                c = bucket.param_data.numel() // self.comm.dp_size
+                lo_chunk = bucket.offset + self.comm.dp_rank * c
+                lo, hi = max(start, lo_chunk), min(end, lo_chunk + c)
+                hi = max(lo, hi)
+                yield p, k, (lo - start, hi - start), lo - lo_chunk
+
     def chunk_views(self, chunks: List[torch.Tensor]) -> Dict[torch.nn.Parameter, torch.Tensor]:
         """Each parameter's part of chunk r of its bucket, as a 1-D view of ``chunks[k]`` (this
         rank's chunk of bucket k: the primary shards or the fp32 gradient shards); empty when
         the parameter lies outside chunk r. The same range megatron-core's distributed
         optimizer gives the parameter (``gbuf_world_in_bucket``)."""
-        views = {}
-        for buf in self.buffers:
-            for p, (start, end, bucket_id) in buf.param_index_map.items():
-                bucket = buf.buckets[bucket_id]
-                chunk = chunks[self.buckets.index(bucket)]
-                c = chunk.numel()
-                lo_chunk = bucket.offset + self.comm.dp_rank * c
-                lo, hi = max(start, lo_chunk), min(end, lo_chunk + c)
-                views[p] = chunk[lo - lo_chunk : max(lo, hi) - lo_chunk]
-        return views
+        return {p: chunks[k][at : at + hi - lo]
+                for p, k, (lo, hi), at in self._chunk_ranges()}
+
+    def shard_map(self) -> ShardMap:
+        """This rank's :class:`ParamShard` of every parameter of the unit."""
+        grads = self.chunk_views(self.grad_shards) if self.shard_grads else {}
+        return {p: ParamShard(lo, hi, self.shards[k][at : at + hi - lo], grads.get(p))
+                for p, k, (lo, hi), at in self._chunk_ranges()}
 
     def _alloc_grads(self) -> None:
         self.finish_grad_reduce()  # the previous micro-batch's reduction read these buffers
@@ -399,9 +412,38 @@ class ShardedUnit:
             buf.grad_data.untyped_storage().resize_(0)
 
     def start_grad_reduce(self, async_op: bool) -> None:
-        """Scale, reduce-scatter and accumulate this micro-batch's gradients into the fp32 shard,
-        then free the full gradients (on CUDA at once: the lane keeps them alive; on CPU after
-        the reduction finished)."""
+        """Scale and reduce-scatter this unit's gradients (every DP rank issues the same calls in
+        the same order: units reduce as their backward ends, leftovers in
+        :meth:`ZeroPPDataParallel.finish_grad_sync`).
+
+        Full buffers: the step's accumulated gradients, once per step, into chunk r of each
+        bucket's grad buffer in place (where megatron-core's distributed optimizer reads its
+        shard). ``shard_grads``: this micro-batch's gradients, added in fp32 into the gradient
+        shard; the full gradients are then freed (on CUDA at once: the lane keeps them alive;
+        on CPU after the reduction finished).
+        """
+        if self.shard_grads:
+            self._reduce_into_shards(async_op)
+            return
+        if self._grads_reduced:
+            return
+        self._grads_reduced = True
+        z, r = self.comm.dp_size, self.comm.dp_rank
+        handles = []
+        for i, bucket in enumerate(self.buckets):
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+            if z == 1:
+                continue
+            n = bucket.grad_data.numel() // z
+            handle = self.comm.reduce_gradients(
+                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op,
+                key=self.name, residual=self.qgz_residual(i))
+            if handle is not None:
+                handles.append(handle)
+        self._grad_handle = handles or None
+
+    def _reduce_into_shards(self, async_op: bool) -> None:
         if not self._grads_live:
             return
         self.finish_grad_reduce()
@@ -427,7 +469,7 @@ class ShardedUnit:
         handles, self._grad_handle = self._grad_handle, None
         for h in handles:
             h.wait()
-        if not self._grads_live:
+        if self.shard_grads and not self._grads_live:
             self._free_grads()
 
     def point_main_grads_at_shards(self) -> None:
@@ -439,11 +481,12 @@ class ShardedUnit:
     def zero_grads(self) -> None:
         """Zero this unit's gradients (start of a step): the fp32 shards with ``shard_grads``
         (and ``main_grad`` back on the full views), megatron-core's buffers otherwise."""
+        self.finish_grad_reduce()
         if not self.shard_grads:
             for buf in self.buffers:
                 buf.reset()
+            self._grads_reduced = False
             return
-        self.finish_grad_reduce()
         for g in self.grad_shards:
             g.zero_()
         for p in self.params:

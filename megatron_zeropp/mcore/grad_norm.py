@@ -1,12 +1,13 @@
 """A gradient norm without one host sync per parameter, for megatron-core without apex or TE.
 
-Target: megatron-core 0.16.1. Without Transformer Engine or apex, ``megatron.core.optimizer.
-clip_grads`` falls back to ``megatron.core.utils.local_multi_tensor_l2_norm``, which turns the
-per-tensor norms into a host list (``torch.tensor`` of 0-d device tensors: one device-to-host
-copy and stream sync per parameter) and then copies the result back to the device. On the 1.3B
-GPT of the GPU benchmarks that is ~100 syncs per step: a profile at 10 Gbit/s shows the GPU idle
-between them while the optimizer step is on the critical path of every configuration,
-megatron-core's own included. apex's and TE's ``multi_tensor_l2norm`` never leave the device.
+Checked: megatron-core 0.16.1 and 0.19.1. Without Transformer Engine or apex,
+``megatron.core.optimizer.clip_grads`` falls back to ``megatron.core.utils.
+local_multi_tensor_l2_norm``, which turns the per-tensor norms into a host list (``torch.tensor`` of
+0-d device tensors: one device-to-host copy and stream sync per parameter) and then copies the
+result back to the device. On the 1.3B GPT of the GPU benchmarks that is ~100 syncs per step: a
+profile at 10 Gbit/s shows the GPU idle between them while the optimizer step is on the critical
+path of every configuration, megatron-core's own included. apex's and TE's ``multi_tensor_l2norm``
+never leave the device.
 
 :func:`device_l2_norm` is a drop-in with the same contract (``(norm of all tensors as a
 1-element fp32 tensor, None)``) that stays on the device: per-tensor norms by
@@ -23,7 +24,7 @@ from typing import List
 
 import torch
 
-TARGET_VERSION = "0.16.1"
+from .version import mcore_version
 
 # megatron-core modules that bound the fallback at import: module -> attribute holding it.
 _USERS = {"megatron.core.optimizer.clip_grads": "l2_norm_impl"}
@@ -66,8 +67,8 @@ def apply() -> bool:
         module = importlib.import_module(name)
         if not hasattr(module, attr):
             raise RuntimeError(
-                f"patches/mcore_grad_norm.py targets megatron-core {TARGET_VERSION}: "
-                f"{name}.{attr} does not exist in this version")
+                f"megatron_zeropp/mcore/grad_norm.py: {name}.{attr} does not exist in "
+                f"megatron-core {'.'.join(map(str, mcore_version()))}")
         if fallback is not None and getattr(module, attr) is fallback:
             setattr(module, attr, device_l2_norm)
             installed = True

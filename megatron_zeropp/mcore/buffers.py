@@ -1,0 +1,81 @@
+"""megatron-core's gradient-buffer classes, built the way each supported version needs them.
+
+The ZeRO layer keeps its weights and gradients in megatron-core ``_ParamAndGradBuffer``s (one per
+unit and dtype pair) because megatron-core's ``DistributedOptimizer`` reads its shards out of
+exactly that layout; the layer never calls the buffers' or buckets' communication methods.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+from .version import at_least
+
+BaseDataParallel = _BaseDataParallel
+"""megatron-core's data-parallel wrapper base (forward, ``sharded_state_dict`` passthrough,
+``zero_grad_buffer`` contract). Checked: 0.16.1, 0.19.1 (same signature)."""
+
+
+def group_by_dtypes(params: Sequence[torch.nn.Parameter], grad_reduce_in_fp32: bool
+                    ) -> Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]]:
+    """``params`` by (param dtype, grad dtype) in their order: one buffer each, as megatron-core's
+    DDP groups them (expert parameters are refused before this)."""
+    groups: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+    for p in params:
+        grad_dtype = torch.float if grad_reduce_in_fp32 else p.dtype
+        groups.setdefault((p.dtype, grad_dtype), []).append(p)
+    return groups
+
+
+def build_buffer(ddp_config, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 params: List[torch.nn.Parameter], dp_group, gradient_scaling_factor: float,
+                 param_names: Dict[torch.nn.Parameter, str], pg_collection):
+    """One single-bucket ``_ParamAndGradBuffer`` over ``params`` (a shared embedding weight still
+    gets a bucket of its own), laid out for the distributed optimizer: each parameter starts on
+    a 64-element boundary, each bucket is padded to a multiple of the DP size.
+
+    0.16.1 computes that layout inside the buffer; 0.19 takes it from
+    ``DistributedOptimizer.compute_full_param_layout`` (what Megatron-LM 0.19's ``get_model``
+    passes to DDP) and lays the buffer out without padding when given none. Checked: 0.16.1,
+    0.19.1.
+    """
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    indices = list(range(len(params)))
+    if not at_least(0, 17):
+        return _ParamAndGradBuffer(
+            ddp_config, param_dtype, grad_dtype, params, dp_group, None, param_names,
+            gradient_scaling_factor, indices, False, pg_collection,
+        )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    full = DistributedOptimizer.compute_full_param_layout(
+        params, None, dp_group.size(), ddp_config)
+    if len(full.layouts) != 1:
+        raise ValueError(f"parameters of one dtype pair fell into {len(full.layouts)} "
+                         f"megatron-core buffers: {list(full.layouts)}")
+    (layout,) = full.layouts.values()
+    return _ParamAndGradBuffer(
+        ddp_config, param_dtype, grad_dtype, [(p, param_names[p]) for p in params], dp_group,
+        None, param_names, gradient_scaling_factor, layout.param_indices or indices, False,
+        pg_collection, param_layout=layout,
+    )
+
+
+def bucket_view(bucket, offset: int, bucket_id: int,
+                param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]]):
+    """A new ``_ParamAndGradBucket`` over ``bucket``'s tensors at another ``offset`` and
+    ``bucket_id`` (``param_index_map``: the ranges in the combined buffer), for the optimizer's
+    one-buffer-per-dtype view of several units. Checked: 0.16.1, 0.19.1 (0.19 derives
+    bucket-local ranges from ``param_index_map`` and tracks parameters with extra main grads,
+    which the layer has none of)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket
+
+    args = (bucket.params_list, bucket.param_data, bucket.grad_data, offset,
+            bucket.numel_unpadded, bucket.gradient_scaling_factor, bucket_id)
+    if not at_least(0, 17):
+        return _ParamAndGradBucket(*args)
+    return _ParamAndGradBucket(*args, param_index_map, [])

@@ -1,0 +1,58 @@
+"""Workarounds for megatron-core's DistributedOptimizer checkpoint loading with torch's Adam.
+
+megatron-core expects apex's or Transformer Engine's fused Adam, which keeps one ``step`` per
+param group; torch's Adam (the fallback here without apex/TE) keeps a ``step`` tensor per
+parameter. Both supported versions mishandle that on load in the same two ways, fixed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def init_dummy_optimizer_states(opt) -> None:
+    """Allocate ``opt``'s Adam state before a load: megatron-core reads the Adam step from
+    existing state first (torch Adam); the dummy values are overwritten by the load.
+    Checked: 0.16.1, 0.19.1 (``_init_optimizer_states_with_dummy_values``)."""
+    opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def keeping_adam_steps(optimizers):
+    """Keep the Adam ``step`` that megatron-core just set from the checkpoint's param groups
+    when it then copies the per-parameter tensors (``optimizers``: the DistributedOptimizers).
+    Those tensors hold no step (``fully_reshardable``: ``KeyError: 'step'``) or the pre-load
+    dummy state's (``dp_reshardable``: the step silently reverts to 1, and Adam's bias
+    correction with it). Checked: 0.16.1, 0.19.1 (``_set_main_param_and_optimizer_states``)."""
+    patched = []
+    for opt in optimizers:
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            step = opt.optimizer.state.get(main, {}).get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def unshare_adam_steps(optimizers) -> None:
+    """Give every parameter its own Adam ``step`` tensor after a load: megatron-core's
+    ``load_state_dict`` gives them all the same one, and torch's Adam increments each in place,
+    so a shared one advances once per parameter per iteration and the bias correction goes wrong
+    after a resume. Checked: 0.16.1, 0.19.1."""
+    for opt in optimizers:
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()

@@ -1,0 +1,25 @@
+"""megatron-core's tokenizer factory, by library name as each version spells it."""
+
+from __future__ import annotations
+
+from .version import at_least
+
+
+def library_name(library: str) -> str:
+    """megatron-core's name for a tokenizer library: ``"null"`` became ``"null-text"`` in 0.17
+    (0.19's factory asks a null tokenizer for a path under the old name). Checked: 0.16.1,
+    0.19.1."""
+    if library == "null" and at_least(0, 17):
+        return "null-text"
+    return library
+
+
+def from_pretrained(path, library: str, **kwargs):
+    """``MegatronTokenizer.from_pretrained`` for ``library`` (this project's names: the 0.16.1
+    ones). Checked: 0.16.1, 0.19.1."""
+    # Imported here: megatron.core pulls in most of megatron-core (seconds), which an argument
+    # parser that only needs the tokenizer names should not pay.
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path=path, metadata_path={"library": library_name(library)}, **kwargs)

@@ -1,0 +1,190 @@
+"""megatron_zeropp/mcore/: the one place that touches megatron-core's private API, and the
+supported-version gate.
+
+The scan below reads every Python file of the project outside the adapter and flags any use of a
+name that megatron-core itself marks private (an underscore name it defines), whether imported or
+reached as an attribute; the names come from the installed megatron-core's own source, so a
+private contact added anywhere else fails here on either supported version.
+"""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import megatron_zeropp
+from megatron_zeropp.mcore import version
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ADAPTER = REPO / "megatron_zeropp" / "mcore"
+SCANNED = ["megatron_zeropp", "tools", "benchmarks", "pretrain_gpt.py"]
+
+
+def _megatron_core_private_names() -> set:
+    import megatron.core
+
+    names = set()
+    for path in pathlib.Path(megatron.core.__file__).parent.rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = node.name
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                    isinstance(node.targets[0], ast.Name):
+                name = node.targets[0].id
+            else:
+                continue
+            if name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    return names
+
+
+def _own_names(paths) -> set:
+    """Underscore names this project defines itself (its own private helpers may share a name
+    with one of megatron-core's without touching megatron-core)."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return names
+
+
+def private_uses(source: str, private: set, own: set):
+    """(line, name) of every megatron-core private name ``source`` imports from megatron or
+    reaches as an attribute (``obj._name``), ``self``/``cls`` attributes of own names aside."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
+            parts = (node.module or "").split(".")
+            for part in parts:
+                if part.startswith("_") and not part.startswith("__"):
+                    hits.append((node.lineno, node.module))
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    hits.append((node.lineno, alias.name))
+        elif isinstance(node, ast.Attribute) and node.attr in private and node.attr not in own:
+            hits.append((node.lineno, node.attr))
+    return hits
+
+
+def _project_files():
+    for entry in SCANNED:
+        path = REPO / entry
+        files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+        for f in files:
+            if ADAPTER not in f.parents:
+                yield f
+
+
+def test_no_megatron_core_private_name_outside_the_adapter():
+    private = _megatron_core_private_names()
+    assert len(private) > 500  # megatron-core's own source was read
+    files = list(_project_files())
+    own = _own_names(files)
+    found = {}
+    for f in files:
+        hits = private_uses(f.read_text(encoding="utf-8"), private, own)
+        if hits:
+            found[str(f.relative_to(REPO))] = hits
+    assert not found, f"megatron-core private API outside megatron_zeropp/mcore/: {found}"
+
+
+def test_scan_flags_private_imports_and_attributes():
+    # Negative control: the scan catches each kind of contact the adapter took in.
+    private = _megatron_core_private_names()
+    src = (
+        "from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer\n"
+        "from megatron.core.distributed.data_parallel_base import _BaseDataParallel\n"
+        "r = opt._get_model_param_range_map(p)\n"
+        "opt._copy_main_params_to_model_params()\n"
+    )
+    hits = private_uses(src, private, own=set())
+    assert [h[1] for h in hits] == ["_ParamAndGradBuffer", "_BaseDataParallel",
+                                    "_get_model_param_range_map",
+                                    "_copy_main_params_to_model_params"]
+    # ... and the adapter itself does contain them (it is where they live).
+    adapter = "".join(p.read_text() for p in ADAPTER.glob("*.py"))
+    assert private_uses(adapter, private, own=set())
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    def set_version(text):
+        monkeypatch.setattr(version, "_installed_text", lambda: text)
+        version.mcore_version.cache_clear()
+
+    yield set_version
+    version.mcore_version.cache_clear()
+
+
+@pytest.mark.parametrize("text", ["0.16.1", "0.19.0", "0.19.1", "0.19.7rc0"])
+def test_supported_versions_pass(installed, monkeypatch, text):
+    monkeypatch.delenv(version.ALLOW_ENV, raising=False)
+    installed(text)
+    assert version.check_supported()[:2] in ((0, 16), (0, 19))
+
+
+@pytest.mark.parametrize("text", ["0.16.0", "0.17.0", "0.18.2", "0.20.0", "1.0.0"])
+def test_untested_versions_are_refused_in_one_line(installed, monkeypatch, text):
+    monkeypatch.delenv(version.ALLOW_ENV, raising=False)
+    installed(text)
+    with pytest.raises(version.UnsupportedMegatronCore) as err:
+        version.check_supported()
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"installed: {text.split('rc')[0]}" in message
+    assert "0.16.1, 0.19.x" in message and version.ALLOW_ENV in message
+
+
+def test_override_warns_and_runs(installed, monkeypatch):
+    monkeypatch.setenv(version.ALLOW_ENV, "1")
+    installed("0.18.0")
+    with pytest.warns(UserWarning, match="0.18.0 is untested"):
+        assert version.check_supported() == (0, 18, 0)
+
+
+def test_unsupported_megatron_core_stops_pretrain_gpt_in_one_line(tmp_path):
+    # A real start: a megatron-core 0.18.0 distribution found first on the path.
+    info = tmp_path / "megatron_core-0.18.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.18.0\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    env.pop(version.ALLOW_ENV, None)
+    out = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--help"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"pretrain_gpt.py: megatron-zeropp supports megatron-core 0.16.1, 0.19.x; "
+                     f"installed: 0.18.0 (set {version.ALLOW_ENV}=1 to run an untested version)"]
+
+
+def test_pyproject_states_the_supported_range():
+    import re
+
+    from packaging.specifiers import SpecifierSet
+
+    text = (REPO / "pyproject.toml").read_text()
+    mcore = SpecifierSet(re.search(r'"megatron-core([^"]+)"', text).group(1))
+    python = SpecifierSet(re.search(r'requires-python = "([^"]+)"', text).group(1))
+    for v in ("0.16.1", "0.19.0", "0.19.1"):
+        assert v in mcore and version.is_supported(version._parse(v))
+    for v in ("0.16.0", "0.17.0", "0.18.1", "0.20.0"):
+        assert v not in mcore and not version.is_supported(version._parse(v))
+    assert all(v in python for v in ("3.10", "3.11", "3.12"))
+    assert "3.13" not in python and "3.9" not in python
+
+
+def test_this_process_runs_a_supported_version():
+    assert version.is_supported(version.mcore_version())
+    assert megatron_zeropp.__version__
