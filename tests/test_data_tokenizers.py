@@ -76,9 +76,17 @@ def test_training_errors(tmp_path):
 
 
 def test_null_tokenizer():
+    from megatron_zeropp.mcore.version import at_least
+
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert tokenizer.vocab_size == 101  # the EOD id is appended, as in Megatron-LM
-    assert tokenizer.eod == 100
+    if at_least(0, 17):
+        # megatron-core 0.19's NullTokenizer (what Megatron-LM core_v0.19.0 builds for
+        # --vocab-size 100): the EOD id is the last of the 100 (training_config.py:
+        # null_tokenizer_eod_id "Defaults to vocab_size - 1").
+        assert tokenizer.vocab_size == 100 and tokenizer.eod == 99
+    else:
+        assert tokenizer.vocab_size == 101  # the EOD id is appended, as in Megatron-LM 0.16.1
+        assert tokenizer.eod == 100
     assert tokenizer.tokenize("3 1 4") == [3, 1, 4]
     assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
 

@@ -42,6 +42,7 @@ from megatron_zeropp.mcore.checkpoint import (
     init_dummy_optimizer_states,
     keeping_adam_steps,
     unshare_adam_steps,
+    write_common_file,
 )
 from megatron_zeropp.optimizer import distributed_optimizers
 
@@ -204,6 +205,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         state["rng_state"] = _rng_state(_current_rng())
     tmp = begin_save(root, iteration, overwrite, model_config)
     dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
+    write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16.1 reads only that file
     return commit_save(root, iteration)
 
 

@@ -11,6 +11,8 @@ import contextlib
 
 import torch
 
+from .version import at_least
+
 
 def init_dummy_optimizer_states(opt) -> None:
     """Allocate ``opt``'s Adam state before a load: megatron-core reads the Adam step from
@@ -56,3 +58,27 @@ def unshare_adam_steps(optimizers) -> None:
         for state in opt.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
+
+
+def write_common_file(directory: str) -> None:
+    """Also store a torch_dist checkpoint's common (non-sharded) state in ``common.pt`` (rank 0
+    writes; call after ``dist_checkpointing.save``).
+
+    megatron-core 0.17+ keeps the common state as a ``common_state`` object inside the DCP files
+    and writes no ``common.pt``; 0.16.1 (and Megatron-LM core_v0.16.1) read only ``common.pt``,
+    so without it a checkpoint written under 0.19 does not load under 0.16.1. 0.19 reads
+    ``common.pt`` first when it exists, so both versions then load the same common state. A
+    no-op on 0.16.1, which writes the file itself. Checked: 0.16.1, 0.19.1.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    if not at_least(0, 17) or dist.get_rank() != 0:
+        return
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(directory)
+    path = os.path.join(directory, "common.pt")
+    torch.save(common, path + ".tmp")
+    os.replace(path + ".tmp", path)
