@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_zeropp.checkpointing.legacy import iteration_dir, latest_iteration
-from megatron_zeropp.checkpointing.sharded_state import flat_range_boxes
+from megatron_zeropp.sharded_tensors import flat_range_boxes
 from megatron_zeropp.simulated_nodes import DistributedFailure, run_distributed
 
 ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]

@@ -14,15 +14,16 @@ Layout and keys are Megatron-LM's (``megatron/training/checkpointing.py``, core_
     rng_state            ShardedObject per (PP, TP) rank, DP rank 0's
     num_floating_point_operations_so_far
 
-Under ZeRO-3 every rank writes only its primary shard's elements of each parameter, fp32 main
-weight and Adam moments (``sharded_state``): nothing is gathered. With
-``--data-parallel-impl megatron`` megatron-core's own ``sharded_state_dict`` methods run, as in
-Megatron-LM. The optimizer is stored as ``fully_reshardable`` (per-parameter tensors in model
-space) rather than Megatron-LM's default ``dp_reshardable`` (its internal bucket layout, which
-differs between the two data-parallel implementations and with TP/PP): so TP, PP, DP, ZeRO++ flags
-and the data-parallel implementation may all change between save and load. Megatron-LM reads the
-sharding type from the checkpoint, so it loads these at any layout; its own default checkpoints
-load here with ``--data-parallel-impl megatron`` and the same TP/PP, or their weights alone.
+The calls are Megatron-LM's, whatever the data-parallel implementation: each chunk's and the
+optimizer's ``sharded_state_dict``, then ``load_state_dict`` (or ``reload_model_params``). Under
+ZeRO-3 they describe only each rank's primary shard of every parameter, fp32 main weight and Adam
+moment (``sharding/sharded_state.py``, ``optimizer/sharded_state.py``): nothing is gathered. The
+optimizer is stored as ``fully_reshardable`` (per-parameter tensors in model space) rather than
+Megatron-LM's default ``dp_reshardable`` (its internal bucket layout, which differs between the two
+data-parallel implementations and with TP/PP): so TP, PP, DP, ZeRO++ flags and the data-parallel
+implementation may all change between save and load. Megatron-LM reads the sharding type from the
+checkpoint, so it loads these at any layout; its own default checkpoints load here with
+``--data-parallel-impl megatron`` and the same TP/PP, or their weights alone.
 
 The save is atomic as in the ``torch`` format (``legacy.begin_save`` / ``commit_save``).
 """
@@ -48,12 +49,6 @@ from megatron_zeropp.optimizer import distributed_optimizers
 
 from . import checks
 from .legacy import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
-from .sharded_state import (
-    copy_loaded,
-    unwrap_model,
-    zero_model_sharded_state_dict,
-    zero_optimizer_param_state,
-)
 
 CHECKPOINT_VERSION = 3.0
 SHARDING_TYPE = "fully_reshardable"
@@ -66,6 +61,18 @@ def is_dist_checkpoint(directory: str) -> bool:
 
 def _is_zero(chunk) -> bool:
     return hasattr(chunk, "units")
+
+
+def _unwrap(chunk):
+    """What Megatron-LM's ``unwrap_model`` leaves of a chunk: megatron-core's DDP and
+    Float16Module come off, so their model's own methods answer; the ZeRO layer stays, and
+    answers with its shards."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
 
 
 def _ps():
@@ -136,33 +143,15 @@ def _single_optimizer(optimizer):
     return opts[0]
 
 
-def _zero_optimizer_state(opt, chunks, templates, is_loading) -> dict:
-    state = {}
-    for chunk in chunks:
-        state.update({len(state) + i: v for i, v in zero_optimizer_param_state(
-            opt, chunk, templates[id(chunk)], allocate=is_loading).items()})
-    return state
-
-
 def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
-    """The ``model`` (``model0``...) and ``optimizer`` entries, ZeRO or megatron-core DDP."""
-    out = {}
-    if all(_is_zero(c) for c in chunks):
-        templates = {}
-        for i, chunk in enumerate(chunks):
-            out[_model_key(i, len(chunks))], templates[id(chunk)] = \
-                zero_model_sharded_state_dict(chunk, metadata)
-        if with_optim:
-            opt = _single_optimizer(optimizer)
-            param_state = _zero_optimizer_state(opt, chunks, templates, is_loading)
-            common = {} if is_loading else opt.state_dict()
-            out["optimizer"] = {**common, "param_state": param_state,
-                                "param_state_sharding_type": SHARDING_TYPE}
-        return out
-    if any(_is_zero(c) for c in chunks):
+    """The ``model`` (``model0``...) and ``optimizer`` entries, as Megatron-LM's
+    ``generate_state_dict`` asks for them: each chunk's and the optimizer's
+    ``sharded_state_dict`` (the ZeRO layer and its optimizer answer with their shards)."""
+    if any(_is_zero(c) for c in chunks) and not all(_is_zero(c) for c in chunks):
         raise ValueError("model chunks mix the ZeRO++ layer and megatron-core's DDP")
+    out = {}
     for i, chunk in enumerate(chunks):
-        out[_model_key(i, len(chunks))] = unwrap_model(chunk).sharded_state_dict(
+        out[_model_key(i, len(chunks))] = _unwrap(chunk).sharded_state_dict(
             prefix="", metadata=metadata)
     if with_optim:
         if is_loading:
@@ -207,20 +196,6 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
     write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16.1 reads only that file
     return commit_save(root, iteration)
-
-
-def _load_optimizer_common(opt, common: dict) -> None:
-    # megatron-core's DistributedOptimizer.load_state_dict without 'param_state': sets the
-    # param groups (lr, step) and loss scaler, allocating the Adam moments the shards load into.
-    opt.load_state_dict({k: v for k, v in common.items() if k in ("optimizer", "grad_scaler")})
-
-
-def _main_from_weights(opt, chunks) -> None:
-    """fp32 main weights from the (just loaded) 16-bit primary shards (no optimizer state)."""
-    shards = {p: s for chunk in chunks for p, s in chunk.shard_map.items()}
-    for mains, models in zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups):
-        for main, p in zip(mains, models):
-            main.view(-1).copy_(shards[p].primary)
 
 
 def read_common(root: str, iteration: int) -> dict:
@@ -272,13 +247,11 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_optim:
         _check_optimizer_format(stored, zero, same_tp_pp, directory)
     metadata = {**stored, "dp_cp_group": _metadata()["dp_cp_group"]}
-    if load_optim and zero:
-        _load_optimizer_common(_single_optimizer(optimizer), common["optimizer"])
     request = _model_and_optimizer(model_chunks, optimizer, metadata, load_optim, True)
     if load_rng:
         request["rng_state"] = _rng_state(_current_rng())
     loaded = dist_checkpointing.load(request, directory)
-    _apply(loaded, request, model_chunks, optimizer, zero, load_optim)
+    _apply(loaded, model_chunks, optimizer, load_optim)
     if load_optim and scheduler is not None and "opt_param_scheduler" in loaded:
         used = checks.load_scheduler(scheduler, loaded["opt_param_scheduler"],
                                                 override_scheduler, use_checkpoint_scheduler)
@@ -289,23 +262,12 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     return it, getattr(ckpt_args, "consumed_train_samples", 0)
 
 
-def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> None:
-    """Put what was loaded into the model and optimizer (Megatron-LM's order)."""
-    if zero:
-        for i in range(len(chunks)):
-            key = _model_key(i, len(chunks))
-            copy_loaded(request[key], loaded[key])
-        opt = _single_optimizer(optimizer)
-        if load_optim:
-            copy_loaded(request["optimizer"], loaded["optimizer"])
-            unshare_adam_steps(distributed_optimizers(optimizer))
-        else:
-            _main_from_weights(opt, chunks)
-        for chunk in chunks:
-            chunk.start_param_sync(force_sync=True)  # new weights: hpZ copies are stale
-        return
+def _apply(loaded, chunks, optimizer, load_optim: bool) -> None:
+    """Put what was loaded into the model and optimizer, in Megatron-LM's order and with its
+    calls (``load_state_dict`` of each chunk, then of the optimizer, or
+    ``reload_model_params`` without optimizer state)."""
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+        _unwrap(chunk).load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     if load_optim:
         # no_grad: megatron-core's dp_reshardable loader copies into fp32 shard views of the
         # parameters (fp32 models) without it, which autograd refuses.

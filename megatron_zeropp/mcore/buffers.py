@@ -79,3 +79,25 @@ def bucket_view(bucket, offset: int, bucket_id: int,
     if not at_least(0, 17):
         return _ParamAndGradBucket(*args)
     return _ParamAndGradBucket(*args, param_index_map, [])
+
+
+def ddp_layout_kwargs(module, ddp_config) -> dict:
+    """Extra arguments for megatron-core's own ``DistributedDataParallel`` (``--data-parallel-impl
+    megatron``), as Megatron-LM's ``get_model`` passes them: 0.19 wants the distributed
+    optimizer's layout computed by the caller (it computes one itself, with a warning, when not
+    given one), with Megatron-LM core_v0.19.0's bucket size (``resolve_ddp_bucket_size``: the
+    configured one or max(40M, 1M x DP), none without overlap or off the first pipeline stage);
+    0.16.1 takes none. Checked: 0.16.1, 0.19.1."""
+    if not at_least(0, 17) or not ddp_config.use_distributed_optimizer:
+        return {}
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    bucket_size = ddp_config.bucket_size or max(40000000, 1000000 * dp_size)
+    if not ddp_config.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank():
+        bucket_size = None
+    params = [p for p in module.parameters() if p.requires_grad]
+    return {"full_param_layout": DistributedOptimizer.compute_full_param_layout(
+        params, bucket_size, dp_size, ddp_config,
+        expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())}

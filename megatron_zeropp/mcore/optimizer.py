@@ -16,7 +16,9 @@ subclass :func:`zeropp_optimizer_class` builds works on the layer's :class:`Shar
 3. with gradient shards (``--zeropp-shard-grads``), ``_copy_model_grads_to_main_grads`` reads each
    parameter's gradient from its fp32 gradient-shard view instead of slicing a full gradient
    buffer that no longer exists;
-4. megatron-core 0.19 starts the step's parameter sync through the DDP bucket groups'
+4. the dummy Adam step megatron-core takes before a torch_dist load is skipped (the layer's
+   optimizer allocates the state it loads into; a step would move the shards);
+5. megatron-core 0.19 starts the step's parameter sync through the DDP bucket groups'
    private ``_start_bucket_group_param_sync``; the layer has no such groups (it owns its
    gradients and gathers weights itself), so the subclass calls each chunk's public
    ``start_param_sync()``, as 0.16.1 does.
@@ -148,6 +150,12 @@ def zeropp_optimizer_class(shard_map: Mapping):
                                 f"{grad.numel()} {grad.dtype} elements, the optimizer shard "
                                 f"{main_param.numel()}")
                         main_param.grad = grad.view(main_param.shape)
+
+        def _init_optimizer_states_with_dummy_values(self) -> None:
+            # megatron-core fills Adam state by a dummy step before a torch_dist load; over ZeRO
+            # shards that step would move the fp32 shards (weight decay), and the layer's
+            # sharded_state_dict(is_loading=True) allocates the state it loads into itself.
+            pass
 
         def start_param_sync_for_bucket_group_subset(self) -> None:
             # megatron-core >= 0.17: the step's parameter sync. The layer's own (new weight

@@ -10,10 +10,12 @@ skipping on Inf/NaN) is megatron-core's.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Iterator, List
 
 from megatron_zeropp.mcore import optimizer as mcore_optimizer
+
+from . import sharded_state
+from .sharded_state import SHARDING_TYPE
 
 
 def distributed_optimizers(optimizer) -> Iterator:
@@ -47,7 +49,7 @@ def get_zeropp_optimizer(config, model_chunks: List, **kwargs):
             raise ValueError(f"get_zeropp_optimizer needs ZeroPPDataParallel model chunks, got "
                              f"{type(chunk).__name__}")
         shard_map.update(shards)
-    cls = mcore_optimizer.zeropp_optimizer_class(shard_map)
+    cls = _with_checkpointing(mcore_optimizer.zeropp_optimizer_class(shard_map))
     with mcore_optimizer.constructing(cls):
         optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
     for opt in distributed_optimizers(optimizer):
@@ -56,10 +58,41 @@ def get_zeropp_optimizer(config, model_chunks: List, **kwargs):
     return optimizer
 
 
+def _with_checkpointing(base):
+    """``base`` (the DistributedOptimizer subclass over the shard map) with megatron-core's
+    public checkpoint methods answered from the shards, so Megatron-LM's checkpoint code works
+    unchanged: ``sharded_state_dict`` / ``load_state_dict`` in the ``fully_reshardable``
+    format, ``reload_model_params`` from the primary shards."""
+
+    class ZeroPPDistributedOptimizer(base):
+        _sharded_metadata = None  # of the last sharded_state_dict(), for its load
+
+        def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                               metadata=None, **unused):
+            kind = (metadata or {}).get("distrib_optim_sharding_type", SHARDING_TYPE)
+            if kind != SHARDING_TYPE:
+                raise ValueError(f"the ZeRO++ layer stores its optimizer as {SHARDING_TYPE!r}, "
+                                 f"not {kind!r} (megatron-core DDP's bucket layout)")
+            self._sharded_metadata = metadata
+            return sharded_state.sharded_state_dict(self, is_loading, metadata)
+
+        def load_state_dict(self, state_dict):
+            if "param_state" not in state_dict and "param_state_sharding_type" not in state_dict:
+                return super().load_state_dict(state_dict)  # megatron-core's own forms
+            sharded_state.load_state_dict(self, super().load_state_dict, state_dict,
+                                          self._sharded_metadata)
+
+        def reload_model_params(self, state_dict=None):
+            if state_dict is not None:
+                raise ValueError("the ZeRO++ optimizer reloads its main params from the primary "
+                                 "shards only (state_dict must be None)")
+            sharded_state.main_params_from_shards(self)
+
+    return ZeroPPDistributedOptimizer
+
+
 def reload_model_params(optimizer, model_chunks: List) -> None:
-    """Refresh the optimizer's fp32 main params from the model's (gathered) weights, e.g. after
-    ``load_state_dict`` of model weights without optimizer state."""
-    with contextlib.ExitStack() as stack:
-        for chunk in model_chunks:
-            stack.enter_context(chunk.gathered_parameters())
-        optimizer.reload_model_params()
+    """Refresh the optimizer's fp32 main params from the model's weights (the chunks' primary
+    shards), e.g. after ``load_state_dict`` of model weights without optimizer state."""
+    del model_chunks  # the optimizer reads the same shards through its shard map
+    optimizer.reload_model_params()

@@ -42,6 +42,7 @@ from megatron_zeropp.topology import ProcessGroups, Topology, build_process_grou
 from .config import ZeroPPConfig
 from .partition import CombinedBuffer, build_unit_buffers, find_units
 from .shard_map import ShardMap
+from .sharded_state import is_sharded_load, load_sharded, model_sharded_state
 from .unit import ShardComm, ShardedUnit, UnitState
 
 
@@ -129,6 +130,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         self.weight_version = 0
         self.overlap_param_gather_with_optimizer_step = False
         self._last_microbatch = True  # False inside no_sync(): gradients only accumulate
+        self._sharded_metadata = None  # of the last sharded_state_dict(), for its load
         self._build_units(config, ddp_config, module, groups)
         self._hook_handles: list = []
         self._forward_order: List[ShardedUnit] = []
@@ -423,11 +425,32 @@ class ZeroPPDataParallel(BaseDataParallel):
         """Same as :meth:`state_dict` (full weights)."""
         return self.state_dict(prefix=prefix)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron-core's model ``sharded_state_dict`` with every sharded parameter described
+        by this rank's primary shard only (nothing gathered): what Megatron-LM's torch_dist
+        save and load ask a model chunk for, as they ask megatron-core's DDP."""
+        self._sharded_metadata = metadata
+        return model_sharded_state(self, prefix, sharded_offsets, metadata)[0]
+
+    def parameter_templates(self, metadata=None) -> dict:
+        """Each sharded parameter's entry in the model's own ``sharded_state_dict`` (key and
+        layout), for describing its optimizer state in the same coordinates."""
+        return model_sharded_state(self, metadata=metadata)[1]
+
     def load_state_dict(self, state_dict, strict=True):
-        """Load full weights; they become the new primary shards (hpZ copies go stale, qgZ
-        residuals are dropped: they belonged to the gradients of other weights)."""
+        """Load weights; they become the new primary shards (hpZ copies go stale, qgZ residuals
+        are dropped: they belonged to the gradients of other weights).
+
+        ``state_dict`` is either whole weights (:meth:`state_dict`'s form: gathered, written,
+        re-sharded) or what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`
+        (each parameter as the boxes of this rank's shard: copied into the primary shards, no
+        gather)."""
         for unit in self.units:
             unit.drop_qgz_residuals()
+        if is_sharded_load(state_dict):
+            load_sharded(self, state_dict, self._sharded_metadata)
+            self.start_param_sync(force_sync=True)
+            return None
         with self.gathered_parameters(write_back=True):
             return self.module.load_state_dict(state_dict, strict=strict)
 

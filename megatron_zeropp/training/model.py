@@ -94,7 +94,10 @@ def wrap_data_parallel(args, config, model, topology, process_groups=None):
     from megatron.core.distributed import DistributedDataParallel
 
     if args.data_parallel_impl == "megatron":
-        wrapped = DistributedDataParallel(config, ddp_config(args), model)
+        from megatron_zeropp.mcore.buffers import ddp_layout_kwargs
+
+        ddp = ddp_config(args)
+        wrapped = DistributedDataParallel(config, ddp, model, **ddp_layout_kwargs(model, ddp))
     else:
         from megatron_zeropp.sharding import ZeroPPDataParallel
 

@@ -1,4 +1,4 @@
-"""ZeRO-3 shards described to megatron-core's ``dist_checkpointing``, without gathering a weight.
+"""A contiguous element range of a parameter described to megatron-core's ``dist_checkpointing``.
 
 Each DP rank owns one contiguous element range ``[start, end)`` of every flattened parameter (its
 primary shard; the fp32 main weights and Adam moments cover the same range). megatron-core 0.16
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -55,24 +55,6 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Box]:
     if c1:
         out += row(r1, 0, c1)
     return out
-
-
-def unwrap_model(chunk) -> torch.nn.Module:
-    """The GPTModel inside a data-parallel wrapper and Float16Module (as Megatron-LM's
-    ``unwrap_model``): its ``sharded_state_dict`` keys are the ones Megatron-LM writes."""
-    from megatron.core.transformer.module import Float16Module
-
-    module = chunk
-    while hasattr(module, "module") and (module is chunk or isinstance(module, Float16Module)):
-        module = module.module
-    return module
-
-
-def zero_param_ranges(chunk) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
-    """Element range ``[start, end)`` of every parameter that this DP rank's primary shard holds
-    (empty ranges left out), from the chunk's shard map; the range megatron-core's distributed
-    optimizer gives the same parameter."""
-    return {p: (s.start, s.end) for p, s in chunk.shard_map.items() if s.end > s.start}
 
 
 def _leaves(template, key: str, shape, dtype) -> List[Tuple[object, int]]:
@@ -141,87 +123,6 @@ def shard_boxes(template, key: str, shape, rank_range: Tuple[int, int],
             ))
             pos += numel
     return out
-
-
-def _templates(model_sd: dict, params: Dict[int, torch.nn.Parameter]):
-    """(path, template) for every entry of ``model_sd`` whose data is one of ``params``."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    for name, value in model_sd.items():
-        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and id(value.data) in params:
-            yield name, value
-
-
-def zero_model_sharded_state_dict(chunk, metadata: Optional[dict] = None):
-    """``(sharded state dict, templates)`` of a ZeroPPDataParallel chunk: megatron-core's model
-    sharded state dict with each ZeRO-sharded parameter replaced by the boxes of this rank's
-    primary shard (a list; left out when the rank owns none of it). ``templates`` maps each such
-    parameter to its original entry (key, layout), for the optimizer state."""
-    gpt = unwrap_model(chunk)
-    sd = gpt.sharded_state_dict(prefix="", metadata=metadata)
-    ranges = zero_param_ranges(chunk)
-    params = {id(p): p for u in chunk.units for p in u.params}
-    templates = {}
-    for name, template in list(_templates(sd, params)):
-        p = params[id(template.data)]
-        templates[p] = template
-        boxes = shard_boxes(template, template.key, p.shape, ranges[p],
-                           chunk.shard_map[p].primary) \
-            if p in ranges else []
-        if boxes:
-            sd[name] = boxes
-        else:
-            # No empty container: rank 0's would be stored in common.pt and clash with the
-            # tensors other ranks load under the same name.
-            del sd[name]
-    missing = [tuple(p.shape) for p in params.values() if p not in templates]
-    if missing:
-        raise ValueError(f"parameters of shapes {missing[:3]} are not in the model's "
-                         f"sharded_state_dict; cannot checkpoint them")
-    return sd, templates
-
-
-OPTIMIZER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-"""The per-parameter tensors of megatron-core's ``fully_reshardable`` optimizer format, stored as
-``optimizer.state.<name>.<model key>`` (``param`` is the fp32 main weight)."""
-
-
-def zero_optimizer_param_state(opt, chunk, templates, allocate: bool = False) -> dict:
-    """The ``param_state`` of a DistributedOptimizer over ZeRO shards in ``fully_reshardable``
-    keys, each rank's boxes only. ``allocate`` creates missing Adam moments (zeros, to load
-    into)."""
-    ranges = zero_param_ranges(chunk)
-    state = {}
-    index = 0
-    for main_groups, model_groups in (
-        (opt.shard_fp32_from_float16_groups, opt.model_float16_groups),
-        (opt.shard_fp32_groups, opt.model_fp32_groups),
-    ):
-        for mains, models in zip(main_groups, model_groups):
-            for main, p in zip(mains, models):
-                if p not in templates:
-                    continue  # another chunk's parameter
-                adam = opt.optimizer.state.setdefault(main, {}) if allocate else \
-                    opt.optimizer.state.get(main, {})
-                if allocate:
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        adam.setdefault(k, torch.zeros_like(main))
-                missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in adam]
-                if missing:
-                    raise ValueError(
-                        f"no Adam state {missing} for {templates[p].key}: no optimizer step "
-                        f"has been taken, nothing to checkpoint as optimizer state (use "
-                        f"--no-save-optim)")
-                tensors = {"param": main, "exp_avg": adam["exp_avg"],
-                           "exp_avg_sq": adam["exp_avg_sq"]}
-                template = templates[p]
-                state[index] = {
-                    name: shard_boxes(template, f"optimizer.state.{name}.{template.key}",
-                                      p.shape, ranges[p], t.view(-1))
-                    for name, t in tensors.items()
-                }
-                index += 1
-    return state
 
 
 def copy_loaded(request, loaded) -> int:
