@@ -53,12 +53,13 @@ def latest_iteration(root: str) -> Optional[int]:
 
 
 def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
-                 save: Optional[str] = None) -> Optional[int]:
+                 save: Optional[str] = None, exit_on_missing: bool = False) -> Optional[int]:
     """The iteration to load, or None to start from scratch; raises when ``load`` names nothing.
 
     An empty ``load`` that is also the ``save`` directory starts from scratch, as in Megatron-LM's
     launch scripts (``--load $CKPT --save $CKPT``): it is the first run of that directory, and a
-    typo there cannot overwrite anything. An empty ``load`` elsewhere is an error unless
+    typo there cannot overwrite anything; ``exit_on_missing`` (``--exit-on-missing-checkpoint``,
+    Megatron-LM's flag) makes that an error too. An empty ``load`` elsewhere is an error unless
     ``optional`` (``--load-optional``).
     """
     if load is None:
@@ -73,9 +74,13 @@ def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
         return ckpt_step
     latest = latest_iteration(load)
     if latest is None:
-        if optional or (save is not None and os.path.abspath(save) == os.path.abspath(load)):
+        first_run = save is not None and os.path.abspath(save) == os.path.abspath(load)
+        if optional or (first_run and not exit_on_missing):
             return None
         what = "does not exist" if not os.path.exists(load) else f"has no {_LATEST}"
+        if exit_on_missing:
+            raise StartupError(f"--load {load} {what}: no checkpoint to resume from, and "
+                               "--exit-on-missing-checkpoint asks to stop then")
         raise StartupError(f"--load {load} {what}: no checkpoint to resume from (pass "
                            f"--load-optional to start from scratch when it is empty)")
     if latest not in available:

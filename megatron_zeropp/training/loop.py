@@ -185,7 +185,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     if args.use_checkpoint_args:
         apply_checkpoint_args(args, _saved_args(args.load, args.ckpt_step))
     load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional,
-                                                    args.save)
+                                                    args.save, args.exit_on_missing_checkpoint)
     # --finetune starts counting at 0 again: a save target holding later iterations is refused.
     checkpoint_checks.check_save_target(
         args.save, 0 if args.finetune else (load_iteration or 0), args.overwrite_checkpoints)
