@@ -111,6 +111,9 @@ def _set_rng(states: list) -> None:
     from megatron.core import tensor_parallel
 
     state = states[0]
+    if not checks.restorable_rng(state.get("rng_tracker_states"),
+                                 tensor_parallel.get_cuda_rng_tracker().get_states()):
+        return
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
@@ -198,8 +201,12 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         state["opt_param_scheduler"] = scheduler.state_dict()
     if save_rng:
         state["rng_state"] = _rng_state(_current_rng())
-    tmp = begin_save(root, iteration, overwrite, model_config)
+    # model_config.json goes in after megatron-core's save: it warns "Overwriting old incomplete
+    # / corrupted checkpoint" about any directory that is not empty when it starts.
+    tmp = begin_save(root, iteration, overwrite)
     dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
+    if model_config is not None and dist.get_rank() == 0:
+        checks.write_model_config(tmp, model_config)
     return commit_save(root, iteration)
 
 
