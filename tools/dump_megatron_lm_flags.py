@@ -40,19 +40,27 @@ class _Stub(types.ModuleType):
         return _Stub("call")
 
 
-def megatron_lm_parser(checkout: str) -> argparse.ArgumentParser:
-    """The parser of ``checkout``'s ``add_megatron_arguments``."""
-    sys.path.insert(0, os.path.abspath(checkout))
+def import_megatron_lm(checkout: str, module: str):
+    """Import ``module`` (``megatron.training...``) of ``checkout`` over the installed
+    megatron-core, standing in for third-party modules it imports but the caller does not use."""
+    import importlib
+
+    if os.path.abspath(checkout) not in sys.path:
+        sys.path.insert(0, os.path.abspath(checkout))
     while True:
         try:
-            from megatron.training import arguments
-            break
+            return importlib.import_module(module)
         except ModuleNotFoundError as e:
             if e.name.startswith(("megatron.core", "megatron.training")):
                 raise
             sys.modules[e.name] = _Stub(e.name)
             for name in [n for n in sys.modules if n.startswith("megatron.training")]:
                 del sys.modules[name]
+
+
+def megatron_lm_parser(checkout: str) -> argparse.ArgumentParser:
+    """The parser of ``checkout``'s ``add_megatron_arguments``."""
+    arguments = import_megatron_lm(checkout, "megatron.training.arguments")
     # The quantization ("kitchen") flags exist only where NVIDIA's kitchen imports; a machine with
     # it parses them, so the dump has them: the check imports a stand-in that says it is there.
     name = "megatron.core.extensions.kitchen"

@@ -73,6 +73,15 @@ def _rope_type(args, layout) -> Tuple[str, str]:
     return REFUSED, "YaRN RoPE is not wired in"
 
 
+def _vocab_extra_ids(args, layout) -> Tuple[str, str]:
+    from megatron_zeropp.data.tokenizers import legacy_vocabulary
+
+    if args.tokenizer_type == "SentencePieceTokenizer" and legacy_vocabulary():
+        return HONOURED, "data/tokenizers: extra pieces of the legacy SentencePiece vocabulary"
+    return NOOP, ("Megatron-LM adds extra ids only to its legacy (core_v0.16.1) SentencePiece and "
+                  "BERT vocabularies")
+
+
 Detail = Union[str, None, Callable]
 RULES: Tuple[Tuple[str, str, Detail], ...] = (
     # --- honoured, by dest (where: the code that reads it) ---
@@ -84,7 +93,8 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("end_weight_decay", HONOURED, "model: OptimizerParamScheduler"),
     ("weight_decay_incr_style", HONOURED, "model: OptimizerParamScheduler"),
     ("lr_wsd_decay_*", HONOURED, "model: OptimizerParamScheduler (--lr-decay-style WSD)"),
-    ("vocab_extra_ids", HONOURED, "data/tokenizers: the vocabulary's extra ids"),
+    ("vocab_extra_ids", HONOURED, _vocab_extra_ids),
+    ("padded_vocab_size", HONOURED, "loop: the embedding's rows, as given"),
     ("num_distributed_optimizer_instances", REFUSED,
      "the ZeRO++ layer shards the optimizer over the whole data-parallel group; megatron-core's "
      "partial distributed optimizer (several instances) is not built here"),
@@ -110,8 +120,11 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
                          "gradients stop the run (--no-check-for-nan-in-loss-and-grad)"),
     ("check_for_spiky_loss", NOOP, "megatron-core's rerun state machine is not wired in"),
     ("test_mode", NOOP, "Megatron-LM's functional-test switch; nothing here depends on it"),
-    ("legacy_tokenizer", NOOP, "the tokenizers here are built as Megatron-LM's legacy ones (same "
-                               "vocabulary and padded size)"),
+    ("legacy_tokenizer", NOOP, "the embedding is sized as Megatron-LM of the installed "
+                               "megatron-core's release sizes it (core_v0.16.1: by the legacy "
+                               "tokenizer, flag or not); the data's ids, EOD included "
+                               "(SentencePiece's </s>, not <EOD>), are megatron-core's "
+                               "tokenizer's"),
     ("use_tp_pp_dp_mapping", HONOURED, _tp_pp_dp),
     ("dataloader_type", HONOURED, _dataloader_type),
     ("rope_type", HONOURED, _rope_type),
