@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_zeropp.training import megatron_lm_rules as rules
 from megatron_zeropp.training.arguments import build_parser, validate
@@ -353,3 +354,31 @@ def test_honoured_schedule_flags_reach_the_scheduler(parser):
     assert status == "error" and "--weight-decay-incr-style linear or cosine" in text
     _, status, text = _outcome(parser, ["--lr-decay-style", "WSD"])
     assert status == "error" and "--lr-decay-style WSD needs --lr-wsd-decay-iters" in text
+
+
+def _train_with(ctx, argv):
+    from megatron_zeropp.training.loop import pretrain
+
+    names = {}
+
+    def on_iteration(iteration, chunks, optimizer):
+        names[iteration] = sorted(n for n, _ in chunks[0].module.named_parameters())
+
+    return pretrain(argv, on_iteration=on_iteration), names
+
+
+def test_a_functional_test_line_trains_with_zeropp(tmp_path):
+    from megatron_zeropp.simulated_nodes import run_distributed
+
+    argv = BASE[:-2] + ["--train-iters", "3", "--global-batch-size", "8", "--log-interval", "1",
+                        "--eval-iters", "0", "--data-cache-path", str(tmp_path),
+                        "--ranks-per-node", "2", "--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz",
+                        "--qk-layernorm", "--no-masked-softmax-fusion", "--no-rope-fusion",
+                        "--no-persist-layer-norm", "--deterministic-mode",
+                        "--dist-ckpt-strictness", "log_all", "--use-tp-pp-dp-mapping",
+                        "--rerun-mode", "disabled", "--exit-on-missing-checkpoint",
+                        "--num-distributed-optimizer-instances", "1", "--test-mode"]
+    history, names = run_distributed(_train_with, 2, 2, args=(argv,))[0]
+    assert history["iterations"] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(history["loss"])))
+    assert any("q_layernorm" in n for n in names[1]) and any("k_layernorm" in n for n in names[1])
