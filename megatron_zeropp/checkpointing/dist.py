@@ -234,6 +234,15 @@ def _check_optimizer_format(metadata: dict, zero: bool, same_tp_pp: bool, direct
     kind = (metadata or {}).get("distrib_optim_sharding_type")
     if kind == SHARDING_TYPE or (kind == "dp_reshardable" and not zero and same_tp_pp):
         return
+    if kind is None:
+        # Megatron-LM writes the sharding type only with --use-distributed-optimizer.
+        raise ValueError(
+            f"{directory}: optimizer state saved without --use-distributed-optimizer (megatron-"
+            f"core's non-distributed optimizer, a full copy keyed by parameter, no sharding type "
+            f"in the checkpoint's metadata); this project's optimizer is always distributed and "
+            f"does not read that layout. Load the weights alone with --no-load-optim, or save it "
+            f"in Megatron-LM with --use-distributed-optimizer "
+            f"--dist-ckpt-optim-fully-reshardable")
     where = "the ZeRO++ layer" if zero else "another TP/PP layout"
     raise ValueError(
         f"{directory}: optimizer state stored as {kind!r}, which {where} cannot read (it follows "
@@ -275,6 +284,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_optim and zero:
         _load_optimizer_common(_single_optimizer(optimizer), common["optimizer"])
     request = _model_and_optimizer(model_chunks, optimizer, metadata, load_optim, True)
+    if load_optim and not zero:
+        _drop_absent_grad_scaler(request["optimizer"], optimizer, directory)
     if load_rng:
         request["rng_state"] = _rng_state(_current_rng())
     loaded = dist_checkpointing.load(request, directory)
@@ -287,6 +298,34 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_rng:
         _set_rng(loaded["rng_state"])
     return it, getattr(ckpt_args, "consumed_train_samples", 0)
+
+
+def _drop_absent_grad_scaler(request: dict, optimizer, directory: str) -> None:
+    """Leave out a ``dp_reshardable`` checkpoint's grad scaler when it has none.
+
+    Megatron-LM's bf16 runs (no --loss-scale) have no grad scaler and save none; this project's
+    bf16 optimizer keeps a constant scale of 1 (builders.adam_config: so that megatron-core skips
+    a non-finite step), whose state is that constant, so nothing is lost by not reading it.
+    megatron-core's bucket layout asks for it as a sharded object, which DCP refuses when absent.
+    """
+    if not all(getattr(opt.config, "bf16", False) for opt in distributed_optimizers(optimizer)):
+        return
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return
+        scaler = node.get("grad_scaler")
+        if isinstance(scaler, ShardedObject) and not any(
+                key.startswith(scaler.key + "/") for key in saved):
+            del node["grad_scaler"]
+        for value in node.values():
+            walk(value)
+
+    walk(request)
 
 
 def _apply(loaded, request, chunks, optimizer, zero: bool, load_optim: bool) -> None:
