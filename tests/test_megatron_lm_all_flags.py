@@ -382,3 +382,13 @@ def test_a_functional_test_line_trains_with_zeropp(tmp_path):
     assert history["iterations"] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(history["loss"])))
     assert any("q_layernorm" in n for n in names[1]) and any("k_layernorm" in n for n in names[1])
+
+
+def test_use_checkpoint_args_carries_the_query_key_norms(parser):
+    from megatron_zeropp.training.megatron_lm_flags import apply_checkpoint_args
+
+    args, status, _ = _outcome(parser, [])
+    assert status == "ok" and not transformer_config(args).qk_layernorm
+    apply_checkpoint_args(args, {"qk_layernorm": True, "add_qkv_bias": True})
+    config = transformer_config(args)
+    assert config.qk_layernorm and config.add_qkv_bias

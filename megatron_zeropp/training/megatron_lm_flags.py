@@ -293,6 +293,8 @@ CHECKPOINT_ARGS = (
     "norm_epsilon", "apply_query_key_layer_scaling", "tokenizer_type", "tokenizer_model",
     "vocab_file", "merge_file", "vocab_size", "make_vocab_size_divisible_by",
     "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    # Megatron-LM's TransformerConfig flags that change the model's parameters (megatron_lm_rules)
+    "qk_layernorm", "add_qkv_bias", "vocab_extra_ids",
 )
 """What --use-checkpoint-args takes from the checkpoint (the model's shape and tokenizer, as
 Megatron-LM's load_args_from_checkpoint does), overriding the command line."""
