@@ -392,3 +392,19 @@ def test_use_checkpoint_args_carries_the_query_key_norms(parser):
     apply_checkpoint_args(args, {"qk_layernorm": True, "add_qkv_bias": True})
     config = transformer_config(args)
     assert config.qk_layernorm and config.add_qkv_bias
+
+
+def test_every_dest_rule_decides_some_flag():
+    # A rule naming a dest no flag has (a misspelt or renamed dest) would silently leave that
+    # flag to a broader rule; group rules stay as the fallback for a later release's flags.
+    import fnmatch
+
+    first = set()
+    for entry in rules.added_entries():
+        for what, _, _ in rules.RULES:
+            if what == f"group:{entry.get('group')}" or (
+                    not what.startswith("group:") and fnmatch.fnmatchcase(entry["dest"], what)):
+                first.add(what)
+                break
+    unused = [w for w, _, _ in rules.RULES if w not in first and not w.startswith("group:")]
+    assert unused == []

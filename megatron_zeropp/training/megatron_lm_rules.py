@@ -44,8 +44,8 @@ FP8 = ("fp8/fp4 need Transformer Engine Float8Tensors, which the ZeRO++ layer do
 NOT_WIRED = "not wired into this project's pretrain_gpt.py (model, loop or data path)"
 CUDA_GRAPHS = ("CUDA graphs are not captured here (the ZeRO++ layer issues its gathers from "
                "Python hooks)")
-TUNING = ("a Megatron-LM communication/launch tuning knob for its own DDP, NCCL or checkpoint "
-          "writer; results and files are the same without it")
+TUNING = ("a tuning knob of Megatron-LM's own DDP, NCCL setup or checkpoint writer, which this "
+          "project's data-parallel layer and checkpointing do not use")
 LOGGING = "this Megatron-LM logging/monitoring integration is not part of this project"
 INFERENCE = "an inference-engine setting; pretraining does not use it (nor does Megatron-LM's)"
 OTHER_MODEL = "builds a model other than the GPT of pretrain_gpt.py"
@@ -128,18 +128,16 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("use_tp_pp_dp_mapping", HONOURED, _tp_pp_dp),
     ("dataloader_type", HONOURED, _dataloader_type),
     ("rope_type", HONOURED, _rope_type),
-    ("deprecated_use_mcore_models", NOOP, "models are always megatron-core's GPTModel"),
-    ("use_dist_ckpt", NOOP, "--ckpt-format torch_dist is already the default"),
+    ("*_deprecated", NOOP, "deprecated in Megatron-LM, where it has no effect either"),
     ("auto_detect_ckpt_format", NOOP, "loading always detects torch and torch_dist"),
     ("dist_ckpt_optim_fully_reshardable", NOOP, "the optimizer is always saved fully_reshardable"),
     ("distrib_optim_fully_reshardable_mem_efficient", NOOP, TUNING),
-    ("no_use_tokenizer_model_from_checkpoint_args", NOOP, "the tokenizer is always the command "
+    ("use_tokenizer_model_from_checkpoint_args", NOOP, "the tokenizer is always the command "
                                                           "line's (--use-checkpoint-args aside)"),
     ("onnx_safe", NOOP, "no ONNX export here"),
-    ("bert_no_binary_head", NOOP, "BERT only"),
+    ("bert_binary_head", NOOP, "BERT only"),
     ("local_rank", NOOP, "the rank comes from torchrun's environment"),
     ("enable_msc", NOOP, "checkpoints and data are plain files; no multi-storage client"),
-    ("disable_msc_deprecated", NOOP, "checkpoints and data are plain files"),
     ("enable_experimental", NOOP, "Megatron-LM's experimental code paths are not part of this"),
     ("exit_signal_handler*", NOOP, "SIGTERM ends the run without Megatron-LM's save-and-exit; "
                                    "save with --save-interval / --exit-duration-in-mins"),
@@ -214,7 +212,7 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("dist_ckpt_workers", NOOP, TUNING),
     ("dist_ckpt_strictness", NOOP, "loading here is always strict: a missing or unexpected key "
                                    "is an error naming the key"),
-    ("no_strict_fsdp_dtensor_load", NOOP, "used only with --ckpt-format fsdp_dtensor (refused)"),
+    ("strict_fsdp_dtensor_load", NOOP, "used only with --ckpt-format fsdp_dtensor (refused)"),
     ("ckpt_assume_constant_structure", NOOP, TUNING),
     ("use_persistent_ckpt_worker", NOOP, TUNING),
     ("ckpt_load_validate_sharding_integrity", NOOP, TUNING),
@@ -223,6 +221,7 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("grpo_*", NOOP, "used only with --perform-rl-step (refused)"),
     ("langrl_*", NOOP, "used only with --perform-rl-step (refused)"),
     ("refit_method", NOOP, "used only with --perform-rl-step (refused)"),
+    ("fim_data", REFUSED, "fill-in-the-middle data is not wired in"),
     ("fim_*", NOOP, "used only with --fim-data (refused)"),
     ("kitchen_attention_backend", NOOP, "used only with --use-kitchen-attention (refused)"),
     # --- refusals by topic ---
@@ -249,7 +248,6 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("*offload*", REFUSED, "activation/optimizer offloading is not wired in"),
     ("perform_rl_step", REFUSED, "reinforcement learning (Megatron-LM's RL loop) is not part of "
                                  "this project"),
-    ("fim_data", REFUSED, "fill-in-the-middle data is not wired in"),
     # --- groups ---
     ("group:transformer configuration", REFUSED, NOT_WIRED),
     ("group:Transformer-Engine", REFUSED, FP8),
