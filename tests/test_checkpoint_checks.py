@@ -55,6 +55,9 @@ def test_load_optional_starts_fresh_only_when_empty(tmp_path):
         cc.resolve_load(str(tmp_path / "new"), None, False, str(tmp_path / "other"))
     with pytest.raises(StartupError, match="--ckpt-step 5"):
         cc.resolve_load(str(tmp_path / "new"), 5, True)  # an explicit step must exist
+    # ...unless --exit-on-missing-checkpoint (Megatron-LM's flag) asks for the checkpoint there
+    with pytest.raises(StartupError, match="--exit-on-missing-checkpoint asks to stop"):
+        cc.resolve_load(str(tmp_path / "new"), None, False, str(tmp_path / "new"), True)
 
 
 def test_saves_never_go_backwards_without_the_flag(tmp_path):

@@ -38,17 +38,32 @@ def _metadata(sharding_type):
     return meta
 
 
-def _megatron_lm_save(ctx, root, sharding_type):
-    """Train megatron-core DDP, save as Megatron-LM does, train on (the reference)."""
+def _megatron_lm_save(ctx, root, sharding_type, bf16=False):
+    """Train megatron-core DDP, save as Megatron-LM does, train on (the reference).
+
+    ``bf16``: as Megatron-LM's --bf16 without --loss-scale, which has no grad scaler (a loss
+    scale of 0 gives megatron-core's get_megatron_optimizer the same: none). ``sharding_type``
+    None: without --use-distributed-optimizer (megatron-core's non-distributed optimizer, and no
+    sharding type in the metadata, as Megatron-LM writes it).
+    """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from zero3_runs import build, full_params, train
 
-    _, wrapped, optimizer = build(ctx, 1, 1, "megatron")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    opt = {"dtype": dtype, **({"loss_scale": 0.0} if bf16 else {})}
+    distributed = sharding_type is not None
+    if not distributed:
+        opt["use_distributed_optimizer"] = False
+    _, wrapped, optimizer = build(ctx, 1, 1, "megatron", dtype=dtype, opt=opt,
+                                  ddp={"use_distributed_optimizer": distributed})
+    assert not bf16 or all(o.grad_scaler is None for o in getattr(
+        optimizer, "chained_optimizers", [optimizer]))
     train(wrapped, optimizer, STEPS)
-    meta = _metadata(sharding_type)
+    meta = _metadata(sharding_type) if distributed else {
+        "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     state = {"args": argparse.Namespace(tensor_model_parallel_size=1,
                                         pipeline_model_parallel_size=1,
                                         consumed_train_samples=16),
@@ -86,13 +101,17 @@ def _zeropp_load(ctx, root, zeropp, load_optim=True):
     return (it, consumed), params, train(wrapped, optimizer, STEPS, data_seed=1)
 
 
-def _megatron_impl_load(ctx, root):
-    """This project's loader with --data-parallel-impl megatron (megatron-core's DDP)."""
+def _megatron_impl_load(ctx, root, bf16=False):
+    """This project's loader with --data-parallel-impl megatron (megatron-core's DDP); ``bf16``:
+    this project's bf16 optimizer (a constant loss scale of 1)."""
     from zero3_runs import build, full_params, train
 
     from megatron_zeropp.checkpointing import dist as checkpoint_dist
 
-    _, wrapped, optimizer = build(ctx, 1, 1, "megatron")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    _, wrapped, optimizer = build(ctx, 1, 1, "megatron", dtype=dtype, opt={"dtype": dtype})
+    assert not bf16 or all(o.grad_scaler is not None for o in getattr(
+        optimizer, "chained_optimizers", [optimizer]))
     checkpoint_dist.load_checkpoint(root, [wrapped], optimizer, load_rng=False)
     return full_params(wrapped), train(wrapped, optimizer, STEPS, data_seed=1)
 
@@ -206,3 +225,29 @@ def test_the_exact_comparisons_can_fail(megatron_lm_checkpoint):
                                                                   False))[0]
     assert _same(loaded, params)
     assert losses != reference
+
+
+def test_megatron_lm_bf16_default_format_loads_with_megatron_impl_and_continues_exactly(tmp_path):
+    # Megatron-LM's bf16 checkpoints hold no grad scaler; this project's bf16 optimizer has a
+    # constant one (scale 1), which megatron-core's dp_reshardable request asked for.
+    root = str(tmp_path / "ckpt")
+    params, reference = run_distributed(_megatron_lm_save, 1, 2,
+                                        args=(root, "dp_reshardable", True))[0]
+    loaded, losses = run_distributed(_megatron_impl_load, 1, 2, args=(root, True))[0]
+    assert _same(loaded, params)
+    assert losses == reference  # a scale of exactly 1 changes no bit
+
+
+def test_a_non_distributed_optimizer_checkpoint_is_refused_for_what_it_is(tmp_path):
+    from megatron_zeropp.simulated_nodes import DistributedFailure
+
+    root = str(tmp_path / "ckpt")
+    params, _ = run_distributed(_megatron_lm_save, 1, 2, args=(root, None))[0]
+    for load in (_zeropp_load, _megatron_impl_load):
+        args = (root, _exact()) if load is _zeropp_load else (root,)
+        with pytest.raises(DistributedFailure,
+                           match="saved without --use-distributed-optimizer") as failure:
+            run_distributed(load, 1, 2, args=args)
+        assert "bucket layout" not in str(failure.value)
+    _, loaded, _ = run_distributed(_zeropp_load, 1, 2, args=(root, _exact(), False))[0]
+    assert _same(loaded, params)  # --no-load-optim: the weights alone

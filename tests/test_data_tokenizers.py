@@ -176,3 +176,94 @@ def test_tiktoken_from_a_local_vocabulary(tmp_path):
     ids = tok.tokenize("the cat")
     assert tok.detokenize(ids) == "the cat"
     assert len(ids) < len("the cat")  # merges applied
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SNAPSHOT = "/work/shared/megatron-lm/core_v0.16.1"
+for _candidate in (os.path.join(os.path.dirname(_ROOT), "shared", "megatron-lm", "core_v0.16.1"),):
+    if os.path.isdir(_candidate):
+        _SNAPSHOT = _candidate
+
+
+_LEGACY_SIZES = """
+import argparse, json, sys
+sys.path.insert(0, {tools!r})
+from dump_megatron_lm_flags import import_megatron_lm
+legacy = import_megatron_lm({snapshot!r}, "megatron.training.tokenizer.tokenizer")
+model = {model!r}
+sizes = {{"sp": [legacy._SentencePieceTokenizer(model, vocab_extra_ids=k).vocab_size
+                for k in (0, 3)],
+         "llama2": legacy._Llama2Tokenizer(model).vocab_size,
+         "null": legacy._NullTokenizer(100).vocab_size,
+         "padded": [legacy._vocab_size_with_padding(v, argparse.Namespace(
+             make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, rank=1))
+             for v in (1005, 1008) for tp in (1, 2, 8)]}}
+print(json.dumps(sizes))
+"""
+
+
+def _megatron_lm_legacy_sizes(model):
+    """Sizes from Megatron-LM core_v0.16.1's own megatron/training/tokenizer/tokenizer.py (the
+    snapshot), in a child process: importing it stands in for modules (six, regex) it needs."""
+    import json
+    import subprocess
+    import sys
+
+    from megatron_zeropp.data.tokenizers import legacy_vocabulary
+
+    if not os.path.isfile(os.path.join(_SNAPSHOT, "megatron", "training", "tokenizer",
+                                       "tokenizer.py")):
+        pytest.skip(f"no Megatron-LM core_v0.16.1 snapshot at {_SNAPSHOT}")
+    if not legacy_vocabulary():
+        pytest.skip("core_v0.16.1's tokenizer code imports megatron-core 0.16's modules")
+    code = _LEGACY_SIZES.format(tools=os.path.join(_ROOT, "tools"), snapshot=_SNAPSHOT,
+                                model=model)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_vocabulary_sizes_are_megatron_lm_legacy_tokenizers(sp_model):
+    from megatron_zeropp.data.tokenizers import megatron_lm_vocab_size
+
+    theirs = _megatron_lm_legacy_sizes(sp_model)
+    sp = build_tokenizer("SentencePieceTokenizer", sp_model)
+    ours = [megatron_lm_vocab_size(sp, "SentencePieceTokenizer", sp_model, k, legacy=True)
+            for k in (0, 3)]
+    # 1000 pieces + <CLS> <SEP> <EOD> <MASK> <PAD> (the model has no pad piece) + extra ids
+    assert ours == theirs["sp"] == [1005, 1008]
+    assert [padded_vocab_size(v, 128, tp) for v in ours for tp in (1, 2, 8)] == theirs["padded"]
+    llama = build_tokenizer("Llama2Tokenizer", sp_model)
+    assert megatron_lm_vocab_size(llama, "Llama2Tokenizer", sp_model, legacy=True) == \
+        theirs["llama2"] == 1000
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert megatron_lm_vocab_size(null, "NullTokenizer", legacy=True) == theirs["null"] == 101
+    # Negative control: megatron-core's own tokenizer (core_v0.19.0's choice) has no extra pieces.
+    assert megatron_lm_vocab_size(sp, "SentencePieceTokenizer", sp_model, legacy=False) == 1000
+
+
+def test_vocabulary_size_is_megatron_core_019s_where_it_is_installed(sp_model):
+    import argparse
+
+    from megatron.core.package_info import __version__
+
+    from megatron_zeropp.data.tokenizers import megatron_lm_vocab_size
+
+    if tuple(int(v) for v in __version__.split(".")[:2]) < (0, 19):
+        pytest.skip(f"megatron-core {__version__}: Megatron-LM of that release uses its legacy "
+                    "tokenizer (previous test)")
+    # Megatron-LM core_v0.19.0 builds its tokenizer with megatron-core's build_tokenizer, which
+    # sets args.padded_vocab_size itself (vocab_utils.calculate_padded_vocab_size arithmetic).
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as mcore_build
+
+    args = argparse.Namespace(
+        tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model, chat_template=None,
+        tokenizer_sentencepiece_ignore_extra_whitespaces=True, tokenizer_sentencepiece_legacy=False,
+        special_tokens=None, pad_vocab_size=True, metadata_path=None, padded_vocab_size=None,
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, rank=0)
+    theirs = mcore_build(args)
+    ours = megatron_lm_vocab_size(build_tokenizer("SentencePieceTokenizer", sp_model),
+                                  "SentencePieceTokenizer", sp_model)
+    assert ours == theirs.vocab_size == 1000
+    assert padded_vocab_size(ours, 128, 2) == args.padded_vocab_size

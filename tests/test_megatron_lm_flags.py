@@ -24,7 +24,8 @@ def test_sample_based_schedule_with_rampup_counts_iterations_like_megatron_lm():
     # 24 (5, to 320: the ramp ends once past 300), then (1000 - 320) // 32 = 21 full batches.
     assert args.train_iters == 13 + 6 + 5 + 21
     assert flags.lr_schedule_steps(args) == {
-        "lr_warmup_steps": 0.1 * 1000, "lr_decay_steps": 1000, "wd_incr_steps": 1000}
+        "lr_warmup_steps": 0.1 * 1000, "lr_decay_steps": 1000, "wd_incr_steps": 1000,
+        "wsd_decay_steps": None}
     ramp = flags.batch_size_schedule(args, dp=4)
     assert [ramp(c) for c in (0, 96, 100, 199, 200, 299, 301)] == [8, 8, 16, 16, 24, 24, 32]
 
@@ -33,7 +34,8 @@ def test_iteration_based_schedule_in_samples():
     args = parse_args(BASE + "--train-iters 10 --lr-warmup-iters 2 --global-batch-size 8".split(),
                       world_size=2)
     assert flags.lr_schedule_steps(args) == {
-        "lr_warmup_steps": 16, "lr_decay_steps": 80, "wd_incr_steps": 80}
+        "lr_warmup_steps": 16, "lr_decay_steps": 80, "wd_incr_steps": 80,
+        "wsd_decay_steps": None}
     assert flags.iterations_for_samples(argparse.Namespace(
         train_samples=100, global_batch_size=8, rampup_batch_size=None)) == 12
 

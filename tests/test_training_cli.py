@@ -58,9 +58,14 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 
 def test_the_set_of_flags_is_fixed():
+    from megatron_zeropp.training.megatron_lm_rules import specs
+
+    # Beside this project's own: every option of Megatron-LM core_v0.16.1 and core_v0.19.0
+    # (tests/test_megatron_lm_all_flags.py derives that list from their arguments.py).
+    every_megatron_lm = {o for entry in specs() for o in entry["options"]}
     parser = build_parser()
     flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
-    assert flags == sorted(set(SUPPORTED_FLAGS) | set(MEGATRON_LM_FLAGS))
+    assert flags == sorted(set(SUPPORTED_FLAGS) | set(MEGATRON_LM_FLAGS) | every_megatron_lm)
 
 
 def test_a_valid_command_line_fills_megatron_defaults():

@@ -53,12 +53,13 @@ def latest_iteration(root: str) -> Optional[int]:
 
 
 def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
-                 save: Optional[str] = None) -> Optional[int]:
+                 save: Optional[str] = None, exit_on_missing: bool = False) -> Optional[int]:
     """The iteration to load, or None to start from scratch; raises when ``load`` names nothing.
 
     An empty ``load`` that is also the ``save`` directory starts from scratch, as in Megatron-LM's
     launch scripts (``--load $CKPT --save $CKPT``): it is the first run of that directory, and a
-    typo there cannot overwrite anything. An empty ``load`` elsewhere is an error unless
+    typo there cannot overwrite anything; ``exit_on_missing`` (``--exit-on-missing-checkpoint``,
+    Megatron-LM's flag) makes that an error too. An empty ``load`` elsewhere is an error unless
     ``optional`` (``--load-optional``).
     """
     if load is None:
@@ -73,9 +74,13 @@ def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
         return ckpt_step
     latest = latest_iteration(load)
     if latest is None:
-        if optional or (save is not None and os.path.abspath(save) == os.path.abspath(load)):
+        first_run = save is not None and os.path.abspath(save) == os.path.abspath(load)
+        if optional or (first_run and not exit_on_missing):
             return None
         what = "does not exist" if not os.path.exists(load) else f"has no {_LATEST}"
+        if exit_on_missing:
+            raise StartupError(f"--load {load} {what}: no checkpoint to resume from, and "
+                               "--exit-on-missing-checkpoint asks to stop then")
         raise StartupError(f"--load {load} {what}: no checkpoint to resume from (pass "
                            f"--load-optional to start from scratch when it is empty)")
     if latest not in available:
@@ -203,6 +208,47 @@ def _config_from_common(directory: str) -> Dict[str, object]:
     import argparse
 
     return model_config(argparse.Namespace(**{**defaults, **vars(args)}))
+
+
+def rng_tracker_mismatch(saved, current: Dict[str, object]) -> Optional[str]:
+    """Why a checkpoint's model-parallel RNG tracker states do not fit this run's, or None.
+
+    The tracker holds one generator state per name: 16 bytes for a CUDA generator, the CPU
+    generator's state (5056 bytes) on CPU, where megatron-core's "CUDA" RNG is the CPU one. A
+    state of the other form is accepted by ``set_states`` and fails only in the first forward's
+    dropout (``torch.set_rng_state``), so it is compared here, before anything is restored.
+    """
+    import torch
+
+    if not isinstance(saved, dict) or set(saved) != set(current):
+        names = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        return f"tracker names {names}, this run's {sorted(current)}"
+    where = "CUDA" if torch.cuda.is_available() else "CPU"
+    for name, state in saved.items():
+        here = current[name]
+        if not torch.is_tensor(state) or state.dtype != here.dtype or \
+                state.numel() != here.numel():
+            size = f"{state.numel()}-byte" if torch.is_tensor(state) else type(state).__name__
+            saved_on = "a GPU" if torch.is_tensor(state) and state.numel() == 16 else \
+                "another device"
+            return (f"'{name}' is a {size} generator state (saved on {saved_on}); this run's "
+                    f"{where} generator takes {here.numel()} bytes")
+    return None
+
+
+def restorable_rng(saved_tracker, current_tracker: Dict[str, object]) -> bool:
+    """True when the checkpoint's RNG states can be restored; else one note (rank 0), False.
+
+    Skipping all of them, not only the tracker's, leaves the run as ``--no-load-rng`` would.
+    """
+    import torch.distributed as dist
+
+    reason = rng_tracker_mismatch(saved_tracker, current_tracker)
+    if reason is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"> note: the checkpoint's RNG states are not restored ({reason}); the run goes "
+              "on as with --no-load-rng (dropout masks differ from the saving run's)",
+              flush=True)
+    return reason is None
 
 
 def load_scheduler(scheduler, state: dict, override: bool, use_checkpoint: bool) -> str:

@@ -123,6 +123,9 @@ def _set_rng(states: list) -> None:
     from megatron.core import tensor_parallel
 
     state = states[0]
+    if not checks.restorable_rng(state.get("rng_tracker_states"),
+                                 tensor_parallel.get_cuda_rng_tracker().get_states()):
+        return
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
@@ -192,9 +195,13 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         state["opt_param_scheduler"] = scheduler.state_dict()
     if save_rng:
         state["rng_state"] = _rng_state(_current_rng())
-    tmp = begin_save(root, iteration, overwrite, model_config)
+    # model_config.json goes in after megatron-core's save: it warns "Overwriting old incomplete
+    # / corrupted checkpoint" about any directory that is not empty when it starts.
+    tmp = begin_save(root, iteration, overwrite)
     dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
     write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16.1 reads only that file
+    if model_config is not None and dist.get_rank() == 0:
+        checks.write_model_config(tmp, model_config)
     return commit_save(root, iteration)
 
 
@@ -209,6 +216,15 @@ def _check_optimizer_format(metadata: dict, zero: bool, same_tp_pp: bool, direct
     kind = (metadata or {}).get("distrib_optim_sharding_type")
     if kind == SHARDING_TYPE or (kind == "dp_reshardable" and not zero and same_tp_pp):
         return
+    if kind is None:
+        # Megatron-LM writes the sharding type only with --use-distributed-optimizer.
+        raise ValueError(
+            f"{directory}: optimizer state saved without --use-distributed-optimizer (megatron-"
+            f"core's non-distributed optimizer, a full copy keyed by parameter, no sharding type "
+            f"in the checkpoint's metadata); this project's optimizer is always distributed and "
+            f"does not read that layout. Load the weights alone with --no-load-optim, or save it "
+            f"in Megatron-LM with --use-distributed-optimizer "
+            f"--dist-ckpt-optim-fully-reshardable")
     where = "the ZeRO++ layer" if zero else "another TP/PP layout"
     raise ValueError(
         f"{directory}: optimizer state stored as {kind!r}, which {where} cannot read (it follows "
@@ -248,6 +264,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
         _check_optimizer_format(stored, zero, same_tp_pp, directory)
     metadata = {**stored, "dp_cp_group": _metadata()["dp_cp_group"]}
     request = _model_and_optimizer(model_chunks, optimizer, metadata, load_optim, True)
+    if load_optim:
+        _drop_absent_grad_scaler(request["optimizer"], optimizer, directory)
     if load_rng:
         request["rng_state"] = _rng_state(_current_rng())
     loaded = dist_checkpointing.load(request, directory)
@@ -260,6 +278,34 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_rng:
         _set_rng(loaded["rng_state"])
     return it, getattr(ckpt_args, "consumed_train_samples", 0)
+
+
+def _drop_absent_grad_scaler(request: dict, optimizer, directory: str) -> None:
+    """Leave out a ``dp_reshardable`` checkpoint's grad scaler when it has none.
+
+    Megatron-LM's bf16 runs (no --loss-scale) have no grad scaler and save none; this project's
+    bf16 optimizer keeps a constant scale of 1 (builders.adam_config: so that megatron-core skips
+    a non-finite step), whose state is that constant, so nothing is lost by not reading it.
+    megatron-core's bucket layout asks for it as a sharded object, which DCP refuses when absent.
+    """
+    if not all(getattr(opt.config, "bf16", False) for opt in distributed_optimizers(optimizer)):
+        return
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return
+        scaler = node.get("grad_scaler")
+        if isinstance(scaler, ShardedObject) and not any(
+                key.startswith(scaler.key + "/") for key in saved):
+            del node["grad_scaler"]
+        for value in node.values():
+            walk(value)
+
+    walk(request)
 
 
 def _apply(loaded, chunks, optimizer, load_optim: bool) -> None:

@@ -94,6 +94,9 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
+    if not checks.restorable_rng(state.get("tracker"),
+                                 tensor_parallel.get_cuda_rng_tracker().get_states()):
+        return
     torch.set_rng_state(state["cpu"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])

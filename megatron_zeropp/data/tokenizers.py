@@ -169,3 +169,47 @@ def padded_vocab_size(
         )
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
+
+
+def legacy_vocabulary() -> bool:
+    """Whether Megatron-LM of the installed megatron-core's release sizes the embedding from its
+    legacy tokenizer: core_v0.16.1 does (``megatron/training/global_vars.py`` always builds
+    ``megatron.training.tokenizer``), core_v0.19.0 no longer has it (it builds megatron-core's).
+    Releases in between were not checked; they are taken as 0.16's."""
+    from megatron.core.package_info import __version__
+
+    return tuple(int(v) for v in __version__.split(".")[:2]) < (0, 19)
+
+
+def megatron_lm_vocab_size(tokenizer, tokenizer_type: str, tokenizer_model: str | None = None,
+                           vocab_extra_ids: int = 0, legacy: bool | None = None) -> int:
+    """The vocabulary size Megatron-LM pads into embedding rows, for the same flags.
+
+    Only ``SentencePieceTokenizer`` differs from ``tokenizer.vocab_size`` (megatron-core's
+    tokenizer, which this project tokenizes with), and only where Megatron-LM uses its legacy
+    tokenizer (``legacy``, default :func:`legacy_vocabulary`): its ``_SentencePieceTokenizer``
+    (core_v0.16.1 ``megatron/training/tokenizer/tokenizer.py``) adds ``<CLS> <SEP> <EOD> <MASK>``,
+    then the model's pad, bos and eos pieces (``<PAD> <BOS> <EOS>`` where the model has none),
+    then ``vocab_extra_ids`` pieces ``<extra_id_i>``, each only if not already a piece: a
+    4096-piece model without a pad piece gives 4101 (padded to 4224 by 128). Its Llama2, GPT-2
+    BPE, Hugging Face, TikToken and Null tokenizers have megatron-core's sizes (the model's pieces,
+    ``len`` of the Hugging Face tokenizer, the TikToken ``vocab_size``, Null's ids + 1).
+    """
+    legacy = legacy_vocabulary() if legacy is None else legacy
+    if not legacy or tokenizer_type != "SentencePieceTokenizer":
+        return tokenizer.vocab_size
+    import sentencepiece
+
+    model = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+    pieces = {model.id_to_piece(i) for i in range(len(model))}
+
+    def piece(token_id, fallback: str) -> str:
+        try:
+            return model.id_to_piece(token_id)
+        except IndexError:  # id -1: the model has no such piece
+            return fallback
+
+    pieces |= {"<CLS>", "<SEP>", "<EOD>", "<MASK>", piece(model.pad_id(), "<PAD>"),
+               piece(model.bos_id(), "<BOS>"), piece(model.eos_id(), "<EOS>")}
+    pieces |= {f"<extra_id_{i}>" for i in range(vocab_extra_ids)}
+    return len(pieces)

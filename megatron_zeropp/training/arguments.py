@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from . import arg_checks, megatron_lm_flags
+from . import arg_checks, megatron_lm_flags, megatron_lm_rules
 from .profiling import add_profile_args, validate_profile_args
 
 
@@ -73,7 +73,8 @@ def _batch_and_optimizer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("adam",), default="adam")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"),
+    g.add_argument("--lr-decay-style",
+                   choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
                    default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
@@ -104,11 +105,11 @@ def _run_and_data_args(p: argparse.ArgumentParser) -> None:
                    help="stop (after saving, if --save) once the iteration is a multiple of this")
     g.add_argument("--tensorboard-dir", default=None)
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None)
+    g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--train-data-path", nargs="+", default=None)
-    g.add_argument("--valid-data-path", nargs="+", default=None)
-    g.add_argument("--test-data-path", nargs="+", default=None)
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--sample-data", metavar="DIR", default=None,
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     _zeropp_args(p)
     add_profile_args(p)
     megatron_lm_flags.add_args(p)
+    megatron_lm_rules.add_args(p)  # last: every Megatron-LM option not defined above
     return p
 
 
@@ -268,6 +270,11 @@ def validate(args, world_size: int) -> List[str]:
         errors.append(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}"
         )
+    # Megatron-LM's older spellings, mapped as its validate_args maps them.
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
     args.ffn_hidden_size = args.ffn_hidden_size or _ffn_default(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -279,6 +286,7 @@ def validate(args, world_size: int) -> List[str]:
         errors.append(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                       f"--micro-batch-size x DP = {args.micro_batch_size} x {dp}")
     args.split = args.split.strip("'\"")  # Megatron-LM's llama script passes "'99,1,0'"
+    megatron_lm_rules.validate(args, (tp, pp, dp // cp), errors, notes)
     megatron_lm_flags.validate(args, world_size, dp, errors, notes)
     if args.train_iters is None and args.train_samples is not None and not errors:
         args.train_iters = megatron_lm_flags.iterations_for_samples(args)
@@ -314,6 +322,8 @@ def validate(args, world_size: int) -> List[str]:
                       "are mutually exclusive")
     if args.load_optional and args.load is None:
         errors.append("--load-optional needs --load")
+    if args.load_optional and args.exit_on_missing_checkpoint:
+        errors.append("--load-optional and --exit-on-missing-checkpoint are mutually exclusive")
     if args.save_interval is not None and args.save is None:
         errors.append("--save-interval needs --save")
     for name in ("train_iters", "log_interval", "eval_interval", "micro_batch_size"):

@@ -90,10 +90,12 @@ def gpt_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    # --qk-layernorm: the spec holds the query/key norms (the config field alone adds none).
     if transformer_engine:
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization=normalization)
+        spec = get_gpt_layer_local_spec(normalization=normalization,
+                                        qk_layernorm=config.qk_layernorm)
         if config.layernorm_zero_centered_gamma:
             from .zero_centered_norm import zero_centered_layer_spec
 

@@ -65,11 +65,19 @@ def _to_device(it: Iterator[dict], device) -> Iterator[dict]:
 
 def _setup_data(args, tokenizer_args):
     from megatron_zeropp.data.datasets import DataConfig, build_gpt_datasets
-    from megatron_zeropp.data.tokenizers import build_tokenizer, padded_vocab_size
+    from megatron_zeropp.data.tokenizers import (
+        build_tokenizer,
+        megatron_lm_vocab_size,
+        padded_vocab_size,
+    )
 
     tokenizer = build_tokenizer(**tokenizer_args)
-    args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    # Megatron-LM's embedding rows for these flags (its legacy SentencePiece vocabulary adds
+    # special pieces), or --padded-vocab-size as given (Megatron-LM core_v0.19.0's flag).
+    vocab = megatron_lm_vocab_size(tokenizer, args.tokenizer_type, args.tokenizer_model,
+                                   args.vocab_extra_ids)
+    args.padded_vocab_size = args.padded_vocab_size or padded_vocab_size(
+        vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     gbs = args.global_batch_size
     evals = args.train_iters // args.eval_interval + 1
@@ -185,7 +193,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     if args.use_checkpoint_args:
         apply_checkpoint_args(args, _saved_args(args.load, args.ckpt_step))
     load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional,
-                                                    args.save)
+                                                    args.save, args.exit_on_missing_checkpoint)
     # --finetune starts counting at 0 again: a save target holding later iterations is refused.
     checkpoint_checks.check_save_target(
         args.save, 0 if args.finetune else (load_iteration or 0), args.overwrite_checkpoints)

@@ -51,7 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--rampup-batch-size", nargs=3, default=None,
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"))
     g.add_argument("--decoupled-lr", type=float, default=None)
     g.add_argument("--decoupled-min-lr", type=float, default=None)
@@ -200,6 +200,19 @@ def _schedule(args, dp: int, errors: List[str]) -> None:
                           "--train-samples use --lr-decay-samples / --lr-warmup-samples")
         if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
             errors.append("give only one of --lr-warmup-fraction and --lr-warmup-samples")
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            errors.append("--start-weight-decay / --end-weight-decay need "
+                          "--weight-decay-incr-style linear or cosine (Megatron-LM asserts the "
+                          "same); constant uses --weight-decay")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        errors.append(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                      "--start-weight-decay and --end-weight-decay")
+    if args.lr_decay_style == "WSD" and (args.lr_wsd_decay_iters if args.train_samples is None
+                                         else args.lr_wsd_decay_samples) is None:
+        errors.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (--train-iters) or "
+                      "--lr-wsd-decay-samples (--train-samples)")
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         errors.append(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
     if args.rampup_batch_size is not None:
@@ -265,7 +278,11 @@ def lr_schedule_steps(args) -> dict:
         warmup = args.lr_warmup_samples
     if args.lr_warmup_fraction is not None:
         warmup = args.lr_warmup_fraction * decay
-    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": wd}
+    wsd = getattr(args, "lr_wsd_decay_samples", None)
+    if args.train_samples is None and getattr(args, "lr_wsd_decay_iters", None) is not None:
+        wsd = args.lr_wsd_decay_iters * args.global_batch_size
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": wd,
+            "wsd_decay_steps": wsd}
 
 
 CHECKPOINT_ARGS = (
@@ -276,6 +293,8 @@ CHECKPOINT_ARGS = (
     "norm_epsilon", "apply_query_key_layer_scaling", "tokenizer_type", "tokenizer_model",
     "vocab_file", "merge_file", "vocab_size", "make_vocab_size_divisible_by",
     "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    # Megatron-LM's TransformerConfig flags that change the model's parameters (megatron_lm_rules)
+    "qk_layernorm", "add_qkv_bias", "vocab_extra_ids",
 )
 """What --use-checkpoint-args takes from the checkpoint (the model's shape and tokenizer, as
 Megatron-LM's load_args_from_checkpoint does), overriding the command line."""

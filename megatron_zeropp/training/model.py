@@ -9,6 +9,7 @@ import torch
 from .arguments import params_dtype, zeropp_config
 from .builders import adam_config, gpt_model, gpt_transformer_config, wire_schedule_hooks
 from .megatron_lm_flags import lr_schedule_steps
+from .megatron_lm_rules import transformer_overrides
 
 
 def use_transformer_engine(args) -> bool:
@@ -55,6 +56,9 @@ def transformer_config(args):
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        # Megatron-LM's TransformerConfig flags this project passes through (--qk-layernorm,
+        # --no-masked-softmax-fusion, ...: the CONFIG and FUSION rules of megatron_lm_rules).
+        **transformer_overrides(args),
     )
 
 
@@ -152,9 +156,10 @@ def build_optimizer(args, model_chunks):
         max_lr=args.lr,
         min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_style="constant",
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_style=args.weight_decay_incr_style,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
         **lr_schedule_steps(args),
     )
     return optimizer, scheduler
