@@ -49,7 +49,9 @@ def _free_port() -> int:
 def _train(python, data, exit_at, save, load=None, step=None):
     # The data files themselves, not --sample-data: the sample corpus is built from the running
     # Python's standard library, so each version would train on other text. Each job has its
-    # own megatron-core index cache.
+    # own megatron-core index cache. --padded-vocab-size: Megatron-LM core_v0.16.1 pads a
+    # SentencePiece vocabulary with its legacy tokenizer's special pieces (4096 -> 4224 rows),
+    # core_v0.19.0 does not (4096), so the two versions build other embeddings by default.
     argv = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
             f"--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters 6 "
             f"--exit-interval {exit_at} "
@@ -57,6 +59,7 @@ def _train(python, data, exit_at, save, load=None, step=None):
             f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {data.tokenizer_model} "
             f"--train-data-path {data.train_data_prefix} "
             f"--valid-data-path {data.valid_data_prefix} --data-cache-path {save}.cache "
+            f"--padded-vocab-size 4224 "
             f"--ranks-per-node 1 --ckpt-format torch_dist --save {save} --save-interval 2 "
             f"--zeropp-qwz --zeropp-hpz --zeropp-qgz").split()
     if load:

@@ -157,6 +157,7 @@ _CUDA_MODULES = (
     "megatron.core.models.common.language_module.language_module",
     "megatron.core.transformer.transformer_block",
     "megatron.core.transformer.utils",  # default causal mask on device="cuda"
+    "megatron.core.rerun_state_machine",  # current_device() in a rejected result's message
     # torch_dist checkpoints: synchronize() before writing, result flags on current_device()
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",

@@ -69,6 +69,33 @@ def _move_leftovers(module: torch.nn.Module, device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
+def check_grads(unit, nan_or_inf: bool, large: bool) -> None:
+    """megatron-core DDP's check before a gradient reduction (``check_for_nan_in_grad``, which
+    Megatron-LM sets from ``--check-for-nan-in-loss-and-grad``, and ``check_for_large_grads``):
+    the norm of each of the unit's buckets, judged by megatron-core's rerun state machine (a
+    NaN/Inf raises on this rank; with reruns enabled it attributes the fault). One host read per
+    bucket, as in megatron-core."""
+    import functools
+
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    for i, bucket in enumerate(unit.buckets):
+        norm = bucket.grad_data.norm(p=2)
+        where = f"unit {unit.name} bucket #{i} before data-parallel communication"
+        if nan_or_inf:
+            for test, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                machine.validate_result(result=norm, rejection_func=test, tolerance=0.001,
+                                        message=f"found {what} in local grad norm for {where}",
+                                        fatal=True)
+        if large:
+            machine.validate_result(
+                result=norm, tolerance=0.001, fatal=False,
+                rejection_func=functools.partial(machine.is_unexpectedly_large, threshold=10,
+                                                 context="grads"),
+                message=f"found unexpected large grads in {where}")
+
+
 def _check_ddp_config(ddp_config) -> None:
     problems = []
     if not ddp_config.use_distributed_optimizer:
@@ -84,9 +111,6 @@ def _check_ddp_config(ddp_config) -> None:
         problems.append("average_in_collective is not supported (gradients are pre-scaled)")
     if getattr(ddp_config, "use_megatron_fsdp", False):
         problems.append("use_megatron_fsdp must be False")
-    if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
-        problems.append("check_for_nan_in_grad / check_for_large_grads are not supported (the "
-                        "training loop checks the loss and the gradient norm every step)")
     if problems:
         raise ValueError("ZeroPPDataParallel: " + "; ".join(problems))
 
@@ -294,11 +318,18 @@ class ZeroPPDataParallel(BaseDataParallel):
                 return
             overlap = bool(self.ddp_config.overlap_grad_reduce)
             if self.zeropp.shard_grads:
-                unit.start_grad_reduce(async_op=overlap)
+                self._start_grad_reduce(unit, async_op=overlap)
             elif overlap and self._last_microbatch:
-                unit.start_grad_reduce(async_op=True)
+                self._start_grad_reduce(unit, async_op=True)
 
         return hook
+
+    def _start_grad_reduce(self, unit: ShardedUnit, async_op: bool) -> None:
+        if unit.reduction_pending():
+            cfg = self.ddp_config
+            if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
+                check_grads(unit, cfg.check_for_nan_in_grad, cfg.check_for_large_grads)
+        unit.start_grad_reduce(async_op)
 
     # -- megatron-core DDP interface -------------------------------------------------------
     @contextlib.contextmanager
@@ -313,7 +344,7 @@ class ZeroPPDataParallel(BaseDataParallel):
     def start_grad_sync(self, *unused):
         """Launch every unit's gradient reduction that has not started yet."""
         for unit in reversed(self.units):
-            unit.start_grad_reduce(async_op=True)
+            self._start_grad_reduce(unit, async_op=True)
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
         """Finish gradient reductions; release any weights still gathered; raise if an hpZ read
@@ -322,7 +353,7 @@ class ZeroPPDataParallel(BaseDataParallel):
             raise ValueError("force_all_reduce is not supported by the ZeRO++ layer")
         for unit in reversed(self.units):
             # Leftovers: no overlap, or parameters without a gradient this step.
-            unit.start_grad_reduce(async_op=False)
+            self._start_grad_reduce(unit, async_op=False)
             unit.finish_grad_reduce()
             if self.zeropp.shard_grads:
                 unit.point_main_grads_at_shards()

@@ -411,6 +411,11 @@ class ShardedUnit:
         for buf in self.buffers:
             buf.grad_data.untyped_storage().resize_(0)
 
+    def reduction_pending(self) -> bool:
+        """Whether :meth:`start_grad_reduce` would issue a reduction now (gradients of this
+        micro-batch with ``shard_grads``; of this step, not yet reduced, otherwise)."""
+        return self._grads_live if self.shard_grads else not self._grads_reduced
+
     def start_grad_reduce(self, async_op: bool) -> None:
         """Scale and reduce-scatter this unit's gradients (every DP rank issues the same calls in
         the same order: units reduce as their backward ends, leftovers in
