@@ -60,18 +60,24 @@ def _own_names(paths) -> set:
     return names
 
 
+VERSION_SWITCHES = {"at_least", "mcore_version"}  # only the adapter branches on the version
+
+
 def private_uses(source: str, private: set, own: set):
     """(line, name) of every megatron-core private name ``source`` imports from megatron or
-    reaches as an attribute (``obj._name``), ``self``/``cls`` attributes of own names aside."""
+    reaches as an attribute (``obj._name``), own names aside, and of every import of the
+    adapter's version switches."""
     hits = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and "mcore" in (node.module or "").split("."):
+            hits += [(node.lineno, a.name) for a in node.names if a.name in VERSION_SWITCHES]
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
             parts = (node.module or "").split(".")
             for part in parts:
                 if part.startswith("_") and not part.startswith("__"):
                     hits.append((node.lineno, node.module))
             for alias in node.names:
-                if alias.name.startswith("_"):
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
                     hits.append((node.lineno, alias.name))
         elif isinstance(node, ast.Attribute) and node.attr in private and node.attr not in own:
             hits.append((node.lineno, node.attr))
@@ -108,11 +114,12 @@ def test_scan_flags_private_imports_and_attributes():
         "from megatron.core.distributed.data_parallel_base import _BaseDataParallel\n"
         "r = opt._get_model_param_range_map(p)\n"
         "opt._copy_main_params_to_model_params()\n"
+        "from megatron_zeropp.mcore.version import at_least\n"
     )
     hits = private_uses(src, private, own=set())
-    assert [h[1] for h in hits] == ["_ParamAndGradBuffer", "_BaseDataParallel",
-                                    "_get_model_param_range_map",
-                                    "_copy_main_params_to_model_params"]
+    assert sorted(h[1] for h in hits) == sorted([
+        "_ParamAndGradBuffer", "_BaseDataParallel", "_get_model_param_range_map",
+        "_copy_main_params_to_model_params", "at_least"])
     # ... and the adapter itself does contain them (it is where they live).
     adapter = "".join(p.read_text() for p in ADAPTER.glob("*.py"))
     assert private_uses(adapter, private, own=set())

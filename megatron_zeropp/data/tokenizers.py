@@ -28,7 +28,7 @@ import importlib.util
 import os
 from typing import Any
 
-from megatron_zeropp.mcore.tokenizers import from_pretrained
+from megatron_zeropp.mcore.tokenizers import from_pretrained, legacy_vocabulary
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer", "HuggingFaceTokenizer",
                    "GPT2BPETokenizer", "Llama2Tokenizer", "TikTokenizer")
@@ -169,16 +169,6 @@ def padded_vocab_size(
         )
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
-
-
-def legacy_vocabulary() -> bool:
-    """Whether Megatron-LM of the installed megatron-core's release sizes the embedding from its
-    legacy tokenizer: core_v0.16.1 does (``megatron/training/global_vars.py`` always builds
-    ``megatron.training.tokenizer``), core_v0.19.0 no longer has it (it builds megatron-core's).
-    Releases in between were not checked; they are taken as 0.16's."""
-    from megatron.core.package_info import __version__
-
-    return tuple(int(v) for v in __version__.split(".")[:2]) < (0, 19)
 
 
 def megatron_lm_vocab_size(tokenizer, tokenizer_type: str, tokenizer_model: str | None = None,

@@ -23,3 +23,11 @@ def from_pretrained(path, library: str, **kwargs):
 
     return MegatronTokenizer.from_pretrained(
         tokenizer_path=path, metadata_path={"library": library_name(library)}, **kwargs)
+
+
+def legacy_vocabulary() -> bool:
+    """Whether Megatron-LM of the installed megatron-core's release sizes the embedding from its
+    legacy tokenizer: core_v0.16.1 does (``megatron/training/global_vars.py`` always builds
+    ``megatron.training.tokenizer``), core_v0.19.0 no longer has it (it builds megatron-core's).
+    Checked: 0.16.1, 0.19.1."""
+    return not at_least(0, 19)
