@@ -28,7 +28,8 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
 --zeropp-qgz-block-size --zeropp-qgz-error-feedback --zeropp-qgz-error-interval --zeropp-qgz-error-log
 --zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
---zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-shard-grads --zeropp-unit
+--zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-shard-grads
+--zeropp-small-param-threshold --zeropp-unit
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""

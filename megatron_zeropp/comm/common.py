@@ -6,7 +6,7 @@ Kept apart from the protocols so each protocol module reads as its algorithm onl
 from __future__ import annotations
 
 import contextvars
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,27 +101,55 @@ def check_member(name: str, group) -> Tuple[List[int], int]:
     return ranks, ranks.index(me)
 
 
-def pack_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Concatenate quantized rows and their fp32 scales into one uint8 row per chunk.
+def pack_rows(data: torch.Tensor, scales: torch.Tensor,
+              exact: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Concatenate quantized rows, their fp32 scales and (optionally) unquantized elements
+    into one uint8 row per chunk: ``[data | scales | exact]``.
 
-    One collective per hop instead of two halves the latency-bound part of small messages.
+    One collective per hop instead of two or three halves the latency-bound part of small
+    messages.
     """
-    return torch.cat([data.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
+    parts = [data.view(torch.uint8), scales.view(torch.uint8)]
+    if exact is not None and exact.shape[-1]:
+        parts.append(exact.contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=-1)
 
 
 def unpack_rows(
-    packed: torch.Tensor, nbytes: int, data_dtype: torch.dtype
+    packed: torch.Tensor, nbytes: int, data_dtype: torch.dtype,
+    scale_bytes: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_rows` for a (..., nbytes + 4 * nblocks) uint8 tensor.
+    """Codes and scales of :func:`pack_rows`' rows (``scale_bytes``: 4 x the scale count,
+    needed when an exact part follows; default: the rest of the row).
 
     The codes come back as a strided view into ``packed`` (no copy: the CPU kernels read rows
     where they lie, the Triton wrappers make them contiguous themselves)."""
     data = packed[..., :nbytes].view(data_dtype)  # 1-byte dtypes: a view at any stride
+    end = None if scale_bytes is None else nbytes + scale_bytes
     # A fresh contiguous copy, not contiguous(): viewing bytes as fp32 needs offset 0 and strides
     # divisible by 4, and contiguous() may return the offset view itself when leading dims are 1.
-    scale_bytes = packed[..., nbytes:].clone(memory_format=torch.contiguous_format)
-    scales = scale_bytes.view(torch.float32)
+    scale_part = packed[..., nbytes:end].clone(memory_format=torch.contiguous_format)
+    if scale_part.shape[-1] == 0:  # rows without quantized elements (all exact)
+        return data, torch.empty(scale_part.shape, dtype=torch.float32, device=packed.device)
+    scales = scale_part.view(torch.float32)
     return data, scales
+
+
+def unpack_exact(packed: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """The exact part of :func:`pack_rows`' rows (from byte ``offset`` to the end) as
+    ``dtype``, a fresh contiguous tensor."""
+    part = packed[..., offset:].clone(memory_format=torch.contiguous_format)
+    return part.view(dtype)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def exact_bytes(layout, dtype: torch.dtype, rows: int = 1) -> int:
+    """Bytes of the exact part of ``rows`` wire rows of ``layout`` in ``dtype``."""
+    return rows * layout.exact_numel * element_size(dtype)
 
 
 def check_quant_args(bits, block_size) -> None:

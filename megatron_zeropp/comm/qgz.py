@@ -29,6 +29,12 @@ rank d receives elements [d * c, (d + 1) * c) of the padded sum; positions at or
 exactly 0 (zeros quantize to 0 and sum to 0). ``output.numel()`` must equal c.
 
 Two collectives per call (one per hop), each carrying data and scales packed together.
+
+Parameter-aligned blocks (``segments``, :mod:`.segments`): the Z chunks are laid out on the wire
+so that no block spans two parameters; ``exact`` segments (small parameters) ride unquantized in
+the same rows, in the input dtype on hop 1 and as fp32 node partials on hop 2, summed in fp32 in
+piece order like the quantized part. The layout of chunk m is the same on every rank, so the
+rows of the N (then K) senders line up element by element.
 """
 
 from __future__ import annotations
@@ -60,10 +66,13 @@ from .common import (
     check_quant_args,
     check_same_device,
     check_tensor,
+    element_size,
     pack_rows,
+    unpack_exact,
     unpack_rows,
 )
 from .qgz_feedback import QgzResidual
+from .segments import SegmentLayout, layout_for
 from .work import CommHandle, run_protocol
 
 REDUCE_SCATTER = "qgz_reduce_scatter"
@@ -93,6 +102,22 @@ class QgzPlan:
     """(data bytes, scale count) of one chunk quantized at ``bits[0]``."""
     hop2_row: Tuple[int, int]
     """(data bytes, scale count) of one chunk quantized at ``bits[1]``."""
+    quant_numel: int = 0
+    """W: quantized elements per wire row (``chunk_numel`` without segments)."""
+    exact_numel: int = 0
+    """E: unquantized elements per wire row (0 without segments)."""
+    exact_itemsize: int = 4
+    """Bytes per exact element on hop 1 (the input dtype's); hop 2 sends fp32 partials."""
+
+    @property
+    def hop1_bytes(self) -> int:
+        """Bytes of one hop-1 row: codes, scales, exact part."""
+        return self.hop1_row[0] + 4 * self.hop1_row[1] + self.exact_numel * self.exact_itemsize
+
+    @property
+    def hop2_bytes(self) -> int:
+        """Bytes of one hop-2 row."""
+        return self.hop2_row[0] + 4 * self.hop2_row[1] + self.exact_numel * 4
 
     @property
     def dp_size(self) -> int:
@@ -112,9 +137,12 @@ class QgzPlan:
 
 
 def qgz_plan(
-    numel: int, nodes: int, ranks_per_node: int, bits=DEFAULT_BITS, block_size=DEFAULT_BLOCK_SIZE
+    numel: int, nodes: int, ranks_per_node: int, bits=DEFAULT_BITS, block_size=DEFAULT_BLOCK_SIZE,
+    layout: Optional[SegmentLayout] = None, exact_itemsize: int = 4,
 ) -> QgzPlan:
-    """Validate the arguments and compute the sizes of a qgZ call (no process group needed)."""
+    """Validate the arguments and compute the sizes of a qgZ call (no process group needed).
+
+    ``layout``: the wire layout of the Z chunks (:mod:`.segments`); ``None`` = the identity."""
     for name, v in (("numel", numel), ("nodes", nodes), ("ranks_per_node", ranks_per_node)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"qgZ {name} must be a positive int, got {v!r}")
@@ -123,6 +151,8 @@ def qgz_plan(
     for b in bits:
         check_quant_args(b, block_size)
     c = math.ceil(numel / (nodes * ranks_per_node))
+    w = c if layout is None else layout.quant_numel
+    e = 0 if layout is None else layout.exact_numel
     return QgzPlan(
         nodes=nodes,
         ranks_per_node=ranks_per_node,
@@ -130,8 +160,11 @@ def qgz_plan(
         chunk_numel=c,
         bits=(int(bits[0]), int(bits[1])),
         block_size=block_size,
-        hop1_row=tuple(quantized_sizes(c, bits[0], block_size)),
-        hop2_row=tuple(quantized_sizes(c, bits[1], block_size)),
+        hop1_row=tuple(quantized_sizes(w, bits[0], block_size)),
+        hop2_row=tuple(quantized_sizes(w, bits[1], block_size)),
+        quant_numel=w,
+        exact_numel=e,
+        exact_itemsize=exact_itemsize,
     )
 
 
@@ -148,6 +181,7 @@ def qgz_reduce_scatter(
     stats: Optional[CommStats] = None,
     residual: Optional[QgzResidual] = None,
     hadamard_seed: Optional[int] = None,
+    segments=None,
 ) -> Optional[CommHandle]:
     """Quantized two-hop reduce-scatter; DP rank ``inter_rank * N + intra_rank`` gets its chunk.
 
@@ -168,6 +202,10 @@ def qgz_reduce_scatter(
             same on every rank), sum in the rotated domain through both hops, rotate this rank's
             chunk back at the end. Each chunk is zero-padded to whole blocks for the rotation,
             so blocks never straddle chunks; the bytes sent are the same. ``None`` = off.
+        segments: ``(start, end, exact)`` ranges covering the (zero-padded) input, one per
+            parameter (:func:`.segments.param_segments`): no block spans two of them, and
+            ``exact`` ones are summed unquantized (see the module docstring). ``None``: blocks
+            run across parameters.
     """
     check_op(op)
     check_tensor("input", input, contiguous=False)
@@ -181,7 +219,17 @@ def qgz_reduce_scatter(
             f"intra_node_group {intra_ranks} and inter_node_group {inter_ranks} must share only "
             f"this rank ({me}): together they must form the N x K grid of the DP group"
         )
-    plan = qgz_plan(input.numel(), len(inter_ranks), len(intra_ranks), bits, block_size)
+    k, n = len(inter_ranks), len(intra_ranks)
+    c = math.ceil(input.numel() / (k * n)) if input.numel() > 0 else 0
+    layout = None
+    if segments is not None:
+        segments = [tuple(seg) for seg in segments]
+        if segments and segments[-1][1] == input.numel() < k * n * c:
+            # The zero padding to Z * c rides with the last segment.
+            segments[-1] = (segments[-1][0], k * n * c, segments[-1][2])
+        layout = layout_for(segments, k * n, c, block_size)
+    plan = qgz_plan(input.numel(), k, n, bits, block_size, layout,
+                    element_size(input.dtype))
     if output.numel() != plan.chunk_numel:
         raise ValueError(
             f"qgz_reduce_scatter: output has {output.numel()} elements, expected ceil(input "
@@ -198,7 +246,7 @@ def qgz_reduce_scatter(
 
     def body():
         total = _reduce(plan, input, intra_node_group, inter_node_group, residual,
-                        hadamard_seed)
+                        hadamard_seed, layout)
         if op == "avg":
             total.div_(plan.dp_size)
         output.view(-1).copy_(total.view(-1))
@@ -211,16 +259,19 @@ def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me) -> No
     stats.count_call(REDUCE_SCATTER)
     if plan.runs_intra_hop:
         nbytes, nblocks = plan.hop1_row
+        nbytes += plan.exact_numel * plan.exact_itemsize
         k = plan.nodes  # K rows to every intra-node peer
         stats.record_all_to_all(REDUCE_SCATTER, intra_ranks, me, k * nbytes, k * 4 * nblocks)
     if plan.runs_inter_hop:
         nbytes, nblocks = plan.hop2_row
+        nbytes += plan.exact_numel * 4
         stats.record_all_to_all(REDUCE_SCATTER, inter_ranks, me, nbytes, 4 * nblocks)
 
 
 def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
             residual: Optional[QgzResidual] = None,
-            hadamard_seed: Optional[int] = None) -> torch.Tensor:
+            hadamard_seed: Optional[int] = None,
+            layout: Optional[SegmentLayout] = None) -> torch.Tensor:
     """Run the hops; returns this rank's chunk of the sum, fp32, shape (1, c)."""
     x = input.reshape(-1)
     pad = plan.padded_numel - plan.numel
@@ -228,33 +279,82 @@ def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
         x = torch.cat([x, x.new_zeros(pad)])
     if plan.dp_size == 1:
         return x.to(torch.float32).view(1, -1)
+    z, c = plan.dp_size, plan.chunk_numel
+    if layout is None:
+        q, e = x.view(z, c), None
+    else:
+        q = layout.gather("q", x, range(z))
+        e = layout.gather("e", x, range(z)) if plan.exact_numel else None
+    me = dist.get_rank(inter_group) * plan.ranks_per_node + dist.get_rank(intra_group)
     if hadamard_seed is None:
-        return _hops(plan, x, intra_group, inter_group, residual)
-    bs, c = plan.block_size, plan.chunk_numel
-    cp = math.ceil(c / bs) * bs
-    rows = x.to(torch.float32).view(plan.dp_size, c)
-    if cp != c:
-        rows = torch.nn.functional.pad(rows, (0, cp - c))
-    # quantized_sizes pads each row to whole blocks anyway: the padded plan sends the same bytes.
-    padded = dataclasses.replace(plan, numel=plan.dp_size * cp, chunk_numel=cp)
-    total = _hops(padded, rotate_blocks(rows.reshape(-1), bs, hadamard_seed), intra_group,
-                  inter_group, residual)
-    return unrotate_blocks(total.reshape(-1), bs, hadamard_seed)[:c].view(1, c)
+        qsum, esum = _hops(plan, q.reshape(-1), e, intra_group, inter_group, residual)
+    else:
+        bs, w = plan.block_size, plan.quant_numel
+        wp = math.ceil(w / bs) * bs
+        rows = q.to(torch.float32)
+        if wp != w:
+            rows = torch.nn.functional.pad(rows, (0, wp - w))
+        # quantized_sizes pads each row to whole blocks anyway: the padded plan sends the same
+        # bytes.
+        padded = dataclasses.replace(plan, numel=z * wp, chunk_numel=wp, quant_numel=wp)
+        qsum, esum = _hops(padded, rotate_blocks(rows.reshape(-1), bs, hadamard_seed), e,
+                           intra_group, inter_group, residual)
+        qsum = unrotate_blocks(qsum.reshape(-1), bs, hadamard_seed)[:w].view(1, w)
+    if layout is None or layout.identity and esum is None:
+        return qsum[:, :c] if qsum.shape[-1] != c else qsum
+    out = torch.empty(1, c, dtype=torch.float32, device=qsum.device)
+    layout.scatter(out, (me,), qsum, esum, local=True)
+    return out
 
 
-def _hops(plan: QgzPlan, x: torch.Tensor, intra_group, inter_group,
-          residual: Optional[QgzResidual]) -> torch.Tensor:
-    """Steps 1-5 on the padded flat input ``x`` (Z * c elements)."""
+def _hops(plan: QgzPlan, x: torch.Tensor, exact: Optional[torch.Tensor], intra_group,
+          inter_group, residual: Optional[QgzResidual]):
+    """Steps 1-5 on the flat quantized part ``x`` (Z rows of W elements) and the exact part
+    ``exact`` (Z rows of E, chunk order, or None). Returns this rank's (quantized-part sum
+    (1, W) fp32, exact-part sum (1, E) fp32 or None)."""
     K, N, bs = plan.nodes, plan.ranks_per_node, plan.block_size
+    if exact is not None:
+        exact = exact.index_select(0, _chunk_order(K, N, exact.device))  # send order
     if plan.runs_intra_hop:
         data, scales = _first_quantize(x, K, N, plan.bits[0], bs, residual)
-        rows = _intra_node_hop(plan, data, scales, intra_group, residual)
+        rows, exact = _intra_node_hop(plan, data, scales, intra_group, residual, exact)
     else:
         # N == 1: the hop-1 order is the identity and the only quantization is hop 2's.
         rows = _first_quantize(x, K, 1, plan.bits[1], bs, residual)
+        if exact is not None:
+            exact = exact.to(torch.float32)
     if not plan.runs_inter_hop:
-        return rows
-    return _inter_node_hop(plan, rows, inter_group)
+        return rows, exact
+    return _inter_node_hop(plan, rows, exact, inter_group)
+
+
+def _empty_codes(rows: int, bits: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of ``rows`` rows of 0 elements (a bucket whose every parameter in
+    this chunk travels exactly): the kernels are not called on empty rows."""
+    dtype = torch.int8 if bits == 8 else torch.uint8
+    return (torch.empty(rows, 0, dtype=dtype, device=device),
+            torch.empty(rows, 0, dtype=torch.float32, device=device))
+
+
+def _reduce_pieces(data, scales, bits, bs, w, out_bits=None):
+    """:func:`dequantize_reduce` of (P, C, ...) pieces to fp32 (or requantized at
+    ``out_bits``), also for rows of 0 quantized elements."""
+    if w == 0:
+        rows = data.shape[1]
+        if out_bits is None:
+            return torch.empty(rows, 0, dtype=torch.float32, device=data.device)
+        return _empty_codes(rows, out_bits, data.device)
+    if out_bits is None:
+        return dequantize_reduce(data, scales, bits, bs, w, out_dtype=torch.float32)
+    return dequantize_reduce(data, scales, bits, bs, w, out_bits=out_bits, out_block_size=bs)
+
+
+def _sum_pieces(pieces: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over dim 0 in piece order (left to right, like the quantized part)."""
+    acc = pieces[0].to(torch.float32)
+    for p in range(1, pieces.shape[0]):
+        acc = acc + pieces[p].to(torch.float32)
+    return acc
 
 
 _ORDERS: Dict[Tuple[int, int, str], torch.Tensor] = {}
@@ -272,6 +372,8 @@ def _chunk_order(K: int, N: int, device: torch.device) -> torch.Tensor:
 
 def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     """Step 1, with error feedback when ``residual`` is given (kept in input order)."""
+    if x.numel() == 0:
+        return _empty_codes(K * N, bits, x.device)
     if residual is None:
         return swizzled_quantize(x, K, N, bits, bs)
     buf = residual.buffer("send", x.numel(), x.device)
@@ -284,40 +386,50 @@ def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     return data, scales
 
 
-def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzResidual] = None):
-    """Steps 2-3. Returns requantized (data, scales) of K rows, or the fp32 sum if K == 1."""
-    K, N, c, bs = plan.nodes, plan.ranks_per_node, plan.chunk_numel, plan.block_size
-    send = pack_rows(data, scales)  # (Z, row bytes), in send-position order
+def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzResidual] = None,
+                    exact: Optional[torch.Tensor] = None):
+    """Steps 2-3. Returns (requantized (data, scales) of K rows, or the fp32 sum if K == 1;
+    the exact part's fp32 node partials (K, E) or None)."""
+    K, N, w, bs = plan.nodes, plan.ranks_per_node, plan.quant_numel, plan.block_size
+    send = pack_rows(data, scales, exact)  # (Z, row bytes), in send-position order
     recv = torch.empty_like(send)
     all_to_all_into(recv, send, group)
     # Received rows: from intra peer j, the K chunks k' * N + (my intra index), k' = 0..K-1.
-    r_data, r_scales = unpack_rows(recv, plan.hop1_row[0], data.dtype)
+    nbytes, nblocks = plan.hop1_row
+    r_data, r_scales = unpack_rows(recv, nbytes, data.dtype, 4 * nblocks)
     r_data = r_data.view(N, K, -1)
     r_scales = r_scales.view(N, K, -1)
+    partial_exact = None
+    if exact is not None:
+        r_exact = unpack_exact(recv, nbytes + 4 * nblocks, exact.dtype).view(N, K, -1)
+        partial_exact = _sum_pieces(r_exact)
     if not plan.runs_inter_hop:
-        return dequantize_reduce(r_data, r_scales, plan.bits[0], bs, c, out_dtype=torch.float32)
-    if residual is None:
-        return dequantize_reduce(
-            r_data, r_scales, plan.bits[0], bs, c, out_bits=plan.bits[1], out_block_size=bs
-        )
+        return _reduce_pieces(r_data, r_scales, plan.bits[0], bs, w), partial_exact
+    if residual is None or w == 0:
+        return _reduce_pieces(r_data, r_scales, plan.bits[0], bs, w, plan.bits[1]), \
+            partial_exact
     # Error feedback on the requantization of the node partials, too.
-    partial = dequantize_reduce(r_data, r_scales, plan.bits[0], bs, c, out_dtype=torch.float32)
-    buf = residual.buffer("partial", K * c, partial.device).view(K, c)
+    partial = dequantize_reduce(r_data, r_scales, plan.bits[0], bs, w, out_dtype=torch.float32)
+    buf = residual.buffer("partial", K * w, partial.device).view(K, w)
     partial.add_(buf)
     rows = quantize_chunks(partial, plan.bits[1], bs)
-    buf.copy_(partial - dequantize_chunks(*rows, plan.bits[1], bs, c, torch.float32))
-    return rows
+    buf.copy_(partial - dequantize_chunks(*rows, plan.bits[1], bs, w, torch.float32))
+    return rows, partial_exact
 
 
-def _inter_node_hop(plan: QgzPlan, rows, group) -> torch.Tensor:
-    """Steps 4-5: send node-partial row k' to inter peer k', sum the K partials received."""
+def _inter_node_hop(plan: QgzPlan, rows, exact: Optional[torch.Tensor], group):
+    """Steps 4-5: send node-partial row k' to inter peer k', sum the K partials received.
+    Returns (quantized-part sum (1, W), exact-part sum (1, E) or None), fp32."""
     data, scales = rows
-    K, c, bs = plan.nodes, plan.chunk_numel, plan.block_size
-    send = pack_rows(data, scales)  # (K, row bytes)
+    K, w, bs = plan.nodes, plan.quant_numel, plan.block_size
+    send = pack_rows(data, scales, exact)  # (K, row bytes)
     recv = torch.empty_like(send)
     all_to_all_into(recv, send, group)
-    r_data, r_scales = unpack_rows(recv, plan.hop2_row[0], data.dtype)
-    return dequantize_reduce(
-        r_data.view(K, 1, -1), r_scales.view(K, 1, -1), plan.bits[1], bs, c,
-        out_dtype=torch.float32,
-    )
+    nbytes, nblocks = plan.hop2_row
+    r_data, r_scales = unpack_rows(recv, nbytes, data.dtype, 4 * nblocks)
+    total_exact = None
+    if exact is not None:
+        total_exact = _sum_pieces(unpack_exact(recv, nbytes + 4 * nblocks, torch.float32)
+                                  .view(K, 1, -1))
+    return _reduce_pieces(r_data.view(K, 1, -1), r_scales.view(K, 1, -1), plan.bits[1], bs,
+                          w), total_exact

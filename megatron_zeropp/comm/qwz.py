@@ -14,7 +14,11 @@ bits: the forward and the backward pass (through hpZ) see the same weights. Erro
 accumulates across steps because every step quantizes the full-precision primary shard again.
 
 Blocks never straddle two shards (each rank quantizes its own shard), so a shard size that is
-not a multiple of ``block_size`` just ends in a short block.
+not a multiple of ``block_size`` just ends in a short block. With ``segments`` (the bucket's
+parameters, :mod:`.segments`) blocks never straddle two parameters either, and ``exact``
+segments travel unquantized in the output dtype (packed per rank as ``[data | scales |
+exact]``); the result then equals, per parameter piece, ``dequantize(quantize(piece))``, and the
+exact pieces bit for bit what a plain all-gather delivers.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from .common import (
     check_quant_args,
     check_same_device,
     check_tensor,
+    exact_bytes,
     pack_rows,
+    unpack_exact,
     unpack_rows,
 )
+from .segments import layout_for
 from .work import CommHandle, run_protocol
 
 ALLGATHER = "qwz_allgather"
@@ -52,6 +59,7 @@ def qwz_all_gather(
     bits: int = DEFAULT_BITS,
     block_size: int = DEFAULT_BLOCK_SIZE,
     stats: Optional[CommStats] = None,
+    segments=None,
 ) -> Optional[CommHandle]:
     """Quantized all-gather of every rank's ``input`` shard into ``output``.
 
@@ -64,6 +72,9 @@ def qwz_all_gather(
         bits: 4 or 8 (quantized width on the wire).
         block_size: elements per scale.
         stats: optional byte counter (protocol ``"qwz_allgather"``).
+        segments: ``(start, end, exact)`` ranges covering the gathered tensor (one per
+            parameter, :func:`.segments.param_segments`): blocks start afresh at every segment
+            and ``exact`` ones are sent unquantized. ``None``: blocks run across the shard.
     """
     check_tensor("input", input, contiguous=False)
     check_tensor("output", output, dtypes=FLOAT_DTYPES)
@@ -76,23 +87,46 @@ def qwz_all_gather(
             f"qwz_all_gather: output has {output.numel()} elements, expected group size {g} x "
             f"input numel {n} = {g * n}"
         )
-    nbytes, nblocks = quantized_sizes(n, bits, block_size)
+    layout = layout_for(segments, g, n, block_size)
+    nbytes, nblocks = quantized_sizes(layout.quant_numel, bits, block_size)
     if stats is not None:
         stats.count_call(ALLGATHER)
-        stats.record_ring(ALLGATHER, ranks, nbytes, 4 * nblocks)
+        stats.record_ring(ALLGATHER, ranks, nbytes + exact_bytes(layout, output.dtype),
+                          4 * nblocks)
+    me = ranks.index(torch.distributed.get_rank())
 
     def body():
-        _gather_quantized(output, input, group, g, bits, block_size, nbytes)
+        _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me)
 
     return run_protocol(body, async_op, ALLGATHER, input.device, stats=stats)
 
 
-def _gather_quantized(output, input, group, g, bits, block_size, nbytes) -> None:
+def _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me) -> None:
     n = input.numel()
-    data, scales = quantize_chunks(input.reshape(1, n), bits, block_size)
-    send = pack_rows(data, scales).view(-1)
+    mine = input.reshape(1, n)
+    if layout.quant_numel:
+        data, scales = quantize_chunks(layout.gather("q", mine, (me,), local=True), bits,
+                                       block_size)
+    else:  # every parameter of this bucket travels exactly
+        data = torch.empty(1, 0, dtype=torch.int8 if bits == 8 else torch.uint8,
+                           device=input.device)
+        scales = torch.empty(1, 0, dtype=torch.float32, device=input.device)
+    exact = None
+    if layout.exact_numel:
+        exact = layout.gather("e", mine, (me,), local=True).to(output.dtype)
+    send = pack_rows(data, scales, exact).view(-1)
     recv = torch.empty(g, send.numel(), dtype=torch.uint8, device=send.device)
     all_gather_into(recv, send, group)
-    all_data, all_scales = unpack_rows(recv, nbytes, data.dtype)
-    dequantize_chunks(all_data, all_scales, bits, block_size, n, output.dtype,
-                      out=output.view(g, n))
+    all_data, all_scales = unpack_rows(recv, nbytes, data.dtype, 4 * scales.shape[-1])
+    if layout.identity:
+        dequantize_chunks(all_data, all_scales, bits, block_size, n, output.dtype,
+                          out=output.view(g, n))
+        return
+    values = all_data  # unused when there are no quantized elements
+    if layout.quant_numel:
+        values = dequantize_chunks(all_data, all_scales, bits, block_size, layout.quant_numel,
+                                   output.dtype)
+    all_exact = None
+    if exact is not None:
+        all_exact = unpack_exact(recv, nbytes + 4 * scales.shape[-1], output.dtype)
+    layout.scatter(output.view(g, n), range(g), values, all_exact)

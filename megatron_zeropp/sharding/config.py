@@ -39,6 +39,12 @@ class ZeroPPConfig:
     """Bits per gradient on qgZ's inter-node hop (4 or 8)."""
     qgz_block_size: int = 128
     """Gradients per qgZ scale (a power of two in [32, 4096])."""
+    small_param_threshold: int = 100_000
+    """Parameters with fewer elements than this (LayerNorms, biases) travel exactly: 16-bit in
+    the qwZ gather, unquantized (the gradient dtype on hop 1, fp32 partial sums on hop 2) in
+    the qgZ reduction. Larger ones are quantized in blocks that never span two parameters.
+    DeepSpeed's ``stage3_param_persistence_threshold`` default (1e5) likewise keeps such
+    parameters out of its partitioning. 0 = quantize every parameter."""
     qgz_fraction: float = 1.0
     """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
     reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
@@ -109,6 +115,9 @@ class ZeroPPConfig:
             raise ValueError(
                 f"qgz_hadamard_seed must be an int >= 0, got {self.qgz_hadamard_seed!r}"
             )
+        t = self.small_param_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"small_param_threshold must be an int >= 0, got {t!r}")
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.unit not in _UNITS:

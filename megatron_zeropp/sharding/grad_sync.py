@@ -68,6 +68,7 @@ class ZeroPPBucketGroup(_ParamAndGradBucketGroup):
                 bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op,
                 key=None if unit is None else unit.name,
                 residual=None if unit is None else unit.qgz_residual(i),
+                segments=None if unit is None else unit.segments[i],
             )
             if handle is not None:
                 handles.append(handle)

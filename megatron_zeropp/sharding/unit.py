@@ -43,6 +43,7 @@ from megatron_zeropp.comm import (
     zero3_all_gather,
     zero3_reduce_scatter,
 )
+from megatron_zeropp.comm.segments import param_segments
 from megatron_zeropp.comm.work import run_protocol
 
 from .config import ZeroPPConfig
@@ -92,42 +93,46 @@ class ShardComm:
                     "group did not hold: the gradients of this step are not to be trusted"
                 )
 
-    def gather_weights(self, output, shard, phase: str, async_op: bool):
+    def gather_weights(self, output, shard, phase: str, async_op: bool, segments=None):
         """All-gather a bucket's primary shards (qwZ or plain; plain and uncounted for
-        ``phase="exact"``, used for checkpoints and ``state_dict``)."""
+        ``phase="exact"``, used for checkpoints and ``state_dict``). ``segments``: the bucket's
+        parameters (:func:`~megatron_zeropp.comm.segments.param_segments`), so qwZ blocks
+        stay inside one parameter and small ones travel exactly."""
         if phase == "exact":
             return zero3_all_gather(output, shard, self.dp_group, async_op)
         if self.config.qwz:
             return qwz_all_gather(
                 output, shard, self.dp_group, async_op,
                 bits=self.config.qwz_bits, block_size=self.config.qwz_block_size,
-                stats=self.stats[phase],
+                stats=self.stats[phase], segments=segments,
             )
         return zero3_all_gather(output, shard, self.dp_group, async_op, stats=self.stats[phase])
 
     def reduce_gradients(self, output, input, async_op: bool, key: Optional[str] = None,
-                         residual: Optional[QgzResidual] = None):
+                         residual: Optional[QgzResidual] = None, segments=None):
         """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them). ``key``
         names the unit for the qgZ error diagnostic; ``residual`` is the bucket's qgZ error
-        feedback state (unused while qgZ is off)."""
+        feedback state; ``segments`` its parameters (both unused while qgZ is off)."""
         if self.qgz_active:
             if self.measure_qgz_error and key is not None:
-                return self._measured_qgz(output, input, async_op, key, residual)
-            return self._qgz(output, input, async_op, residual)
+                return self._measured_qgz(output, input, async_op, key, residual, segments)
+            return self._qgz(output, input, async_op, residual, segments)
         return zero3_reduce_scatter(
             output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
         )
 
-    def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None):
+    def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None,
+             segments=None):
         return qgz_reduce_scatter(
             output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
             bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
             block_size=self.config.qgz_block_size, stats=self.stats["grad"], residual=residual,
             hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
+            segments=segments,
         )
 
     def _measured_qgz(self, output, input, async_op: bool, key: str,
-                      residual: Optional[QgzResidual] = None):
+                      residual: Optional[QgzResidual] = None, segments=None):
         """The qgZ reduction plus the diagnostic's exact fp32 reduction of the same input, in
         one call on the reduction lane (the exact copy is taken first: ``output`` may be a view
         of ``input``)."""
@@ -135,7 +140,7 @@ class ShardComm:
 
         def body():
             exact = exact_chunk(input, group, rank, output.numel())
-            self._qgz(output, input, False, residual)
+            self._qgz(output, input, False, residual, segments)
             meter.add(key, output, exact)
 
         return run_protocol(body, async_op, "qgz_error_probe", input.device, lane="reduce",
@@ -143,7 +148,7 @@ class ShardComm:
 
     def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool,
                               key: Optional[str] = None,
-                              residual: Optional[QgzResidual] = None):
+                              residual: Optional[QgzResidual] = None, segments=None):
         """Reduce-scatter ``full`` and add this rank's chunk, in fp32, into ``shard``.
 
         One call on the reduction lane (the temporary chunk lives and dies there); ``full`` is
@@ -157,10 +162,26 @@ class ShardComm:
 
             def body():
                 chunk = torch.empty(shard.numel(), dtype=out_dtype, device=full.device)
-                self.reduce_gradients(chunk, full, async_op=False, key=key, residual=residual)
+                self.reduce_gradients(chunk, full, async_op=False, key=key, residual=residual,
+                                      segments=segments)
                 shard.add_(chunk)
 
         return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
+
+
+def bucket_segments(buffers, exact_below: int) -> List[tuple]:
+    """Per bucket of ``buffers`` (in order), its parameters as ``(start, end, exact)`` segments
+    (:func:`~megatron_zeropp.comm.segments.param_segments`), from megatron-core's
+    ``param_index_map`` (buffer coordinates) and each bucket's ``offset``."""
+    out = []
+    for buf in buffers:
+        ranges: Dict[int, list] = {i: [] for i in range(len(buf.buckets))}
+        for start, end, bucket_id in buf.param_index_map.values():
+            off = buf.buckets[bucket_id].offset
+            ranges[bucket_id].append((start - off, end - off))
+        for i, bucket in enumerate(buf.buckets):
+            out.append(param_segments(ranges[i], bucket.param_data.numel(), exact_below))
+    return out
 
 
 class UnitState(enum.Enum):
@@ -197,6 +218,9 @@ class ShardedUnit:
                 comm.groups.hpz, [b.param_data for b in self.buckets]
             )
         self._nbytes = [buf.param_data.untyped_storage().nbytes() for buf in buffers]
+        # Each bucket's parameters as segments: qwZ and qgZ blocks never span two of them, and
+        # those below the threshold travel exactly. Param and grad buckets share the layout.
+        self.segments = bucket_segments(buffers, comm.config.small_param_threshold)
         self.shard_grads = comm.config.shard_grads
         self.grad_shards: List[torch.Tensor] = []
         if self.shard_grads:
@@ -295,8 +319,8 @@ class ShardedUnit:
                 self.comm.stats[phase],
             )
         else:
-            handles = [self.comm.gather_weights(out, shard, phase, async_op)
-                       for out, shard in zip(outputs, self.shards)]
+            handles = [self.comm.gather_weights(out, shard, phase, async_op, segments)
+                       for out, shard, segments in zip(outputs, self.shards, self.segments)]
             self._handles = [h for h in handles if h is not None]
         self._refresh_after_wait = sec is not None and not from_secondary and phase != "exact"
         self.state = UnitState.GATHERING
@@ -410,7 +434,8 @@ class ShardedUnit:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
             handles.append(self.comm.reduce_and_accumulate(
-                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i)))
+                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i),
+                segments=self.segments[i]))
         self._grads_live = False
         handles = [h for h in handles if h is not None]
         on_cuda = self.buckets[0].grad_data.device.type == "cuda"

@@ -159,6 +159,10 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=4)
     g.add_argument("--zeropp-qgz-inter-bits", type=int, choices=(4, 8), default=4)
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
+    g.add_argument("--zeropp-small-param-threshold", type=int, default=100_000,
+                   help="parameters with fewer elements (norms, biases) travel exactly in the "
+                   "qwZ gather and the qgZ reduction; larger ones are quantized in blocks that "
+                   "never span two parameters. 0 = quantize every parameter")
     g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
                    help="use qgZ for the first fraction of --train-iters only")
     g.add_argument("--zeropp-qgz-hadamard", action="store_true",
@@ -345,6 +349,7 @@ def zeropp_config(args):
         qgz_error_interval=args.zeropp_qgz_error_interval,
         qgz_error_feedback=args.zeropp_qgz_error_feedback,
         qgz_hadamard=args.zeropp_qgz_hadamard,
+        small_param_threshold=args.zeropp_small_param_threshold,
     )
 
 
