@@ -198,7 +198,7 @@ def _wrong_order_quantize(x_flat, nodes, rpn, bits, bs):
     return quantize_chunks(x_flat.view(nodes * rpn, -1), bits, bs)
 
 
-def _skip_inter_hop(plan, rows, exact, group):
+def _skip_inter_hop(plan, rows, exact, group, intra_index=0):
     # The other classic bug: keep this node's partial sum, never exchange it across nodes.
     data, scales = rows
     k = dist.get_rank(group)

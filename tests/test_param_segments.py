@@ -79,12 +79,13 @@ def test_one_parameter_per_row_keeps_the_identity_layout():
 
 
 def _real_buckets_worker(ctx, threshold):
+    from zero3_runs import build
+
     from megatron_zeropp.comm import CommStats, qgz_reduce_scatter, qwz_all_gather
     from megatron_zeropp.comm.segments import layout_for
     from megatron_zeropp.quant import qgz_chunk_order  # noqa: F401 (import check)
     from megatron_zeropp.sharding import ZeroPPConfig
     from megatron_zeropp.topology import build_process_groups
-    from zero3_runs import build
 
     cfg = ZeroPPConfig(qwz=True, qgz=True, small_param_threshold=threshold)
     _, wrapped, _ = build(ctx, 1, 1, "zeropp", cfg, dtype=torch.bfloat16)
@@ -172,8 +173,10 @@ def dist_ranks(group):
     return dist.get_process_group_ranks(group)
 
 
-def test_real_model_buckets_no_block_spans_two_params_and_small_params_are_exact():
-    for rep in run_distributed(_real_buckets_worker, 2, 2, args=(THRESHOLD,)):
+@pytest.mark.parametrize("nodes,rpn", [(2, 2), (1, 2), (2, 1)])
+def test_real_model_buckets_no_block_spans_two_params_and_small_params_are_exact(nodes, rpn):
+    # 2 x 2 runs both qgZ hops; 1 x 2 only the intra-node one, 2 x 1 only the inter-node one.
+    for rep in run_distributed(_real_buckets_worker, nodes, rpn, args=(THRESHOLD,)):
         assert rep["exact_params"] > 0 and rep["quant_params"] > 0, rep
         assert rep["spans_qwz"] == 0 and rep["spans_qgz"] == 0, rep
         assert rep["qwz_exact_ok"] and rep["qgz_exact_ok"], rep

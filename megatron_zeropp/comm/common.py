@@ -6,7 +6,7 @@ Kept apart from the protocols so each protocol module reads as its algorithm onl
 from __future__ import annotations
 
 import contextvars
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,18 @@ def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     dist.all_to_all_single(output, input, group=group)
 
 
+def all_to_all_v_into(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                      input_splits: List[int], group) -> None:
+    """Synchronous all-to-all of flat uint8 buffers with uneven splits (bytes per group rank)."""
+    call = CURRENT_CALL.get()
+    if call is not None:
+        protocol, stats = call
+        stats.record_handed(protocol, "all_to_all", group_ranks(group), dist.get_rank(),
+                            input.numel(), splits=list(input_splits))
+    dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                           input_split_sizes=list(input_splits), group=group)
+
+
 def check_tensor(name: str, t, dtypes=FLOAT_DTYPES, contiguous: bool = True) -> None:
     """Raise ``ValueError`` unless ``t`` is a non-empty tensor of an allowed dtype."""
     if not isinstance(t, torch.Tensor):
@@ -101,55 +113,34 @@ def check_member(name: str, group) -> Tuple[List[int], int]:
     return ranks, ranks.index(me)
 
 
-def pack_rows(data: torch.Tensor, scales: torch.Tensor,
-              exact: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Concatenate quantized rows, their fp32 scales and (optionally) unquantized elements
-    into one uint8 row per chunk: ``[data | scales | exact]``.
+def pack_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Concatenate quantized rows and their fp32 scales into one uint8 row per chunk.
 
-    One collective per hop instead of two or three halves the latency-bound part of small
-    messages.
+    One collective per hop instead of two halves the latency-bound part of small messages.
     """
-    parts = [data.view(torch.uint8), scales.view(torch.uint8)]
-    if exact is not None and exact.shape[-1]:
-        parts.append(exact.contiguous().view(torch.uint8))
-    return torch.cat(parts, dim=-1)
+    return torch.cat([data.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
 
 
 def unpack_rows(
-    packed: torch.Tensor, nbytes: int, data_dtype: torch.dtype,
-    scale_bytes: Optional[int] = None,
+    packed: torch.Tensor, nbytes: int, data_dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of :func:`pack_rows`' rows (``scale_bytes``: 4 x the scale count,
-    needed when an exact part follows; default: the rest of the row).
+    """Inverse of :func:`pack_rows` for a (..., nbytes + 4 * nblocks) uint8 tensor.
 
     The codes come back as a strided view into ``packed`` (no copy: the CPU kernels read rows
     where they lie, the Triton wrappers make them contiguous themselves)."""
     data = packed[..., :nbytes].view(data_dtype)  # 1-byte dtypes: a view at any stride
-    end = None if scale_bytes is None else nbytes + scale_bytes
     # A fresh contiguous copy, not contiguous(): viewing bytes as fp32 needs offset 0 and strides
     # divisible by 4, and contiguous() may return the offset view itself when leading dims are 1.
-    scale_part = packed[..., nbytes:end].clone(memory_format=torch.contiguous_format)
-    if scale_part.shape[-1] == 0:  # rows without quantized elements (all exact)
-        return data, torch.empty(scale_part.shape, dtype=torch.float32, device=packed.device)
-    scales = scale_part.view(torch.float32)
+    scale_bytes = packed[..., nbytes:].clone(memory_format=torch.contiguous_format)
+    if scale_bytes.shape[-1] == 0:  # rows without quantized elements (all exact)
+        return data, torch.empty(scale_bytes.shape, dtype=torch.float32, device=packed.device)
+    scales = scale_bytes.view(torch.float32)
     return data, scales
-
-
-def unpack_exact(packed: torch.Tensor, offset: int, dtype: torch.dtype) -> torch.Tensor:
-    """The exact part of :func:`pack_rows`' rows (from byte ``offset`` to the end) as
-    ``dtype``, a fresh contiguous tensor."""
-    part = packed[..., offset:].clone(memory_format=torch.contiguous_format)
-    return part.view(dtype)
 
 
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty(0, dtype=dtype).element_size()
-
-
-def exact_bytes(layout, dtype: torch.dtype, rows: int = 1) -> int:
-    """Bytes of the exact part of ``rows`` wire rows of ``layout`` in ``dtype``."""
-    return rows * layout.exact_numel * element_size(dtype)
 
 
 def check_quant_args(bits, block_size) -> None:

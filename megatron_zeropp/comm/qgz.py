@@ -61,6 +61,7 @@ from .accounting import CommStats
 from .common import (
     FLOAT_DTYPES,
     all_to_all_into,
+    all_to_all_v_into,
     check_member,
     check_op,
     check_quant_args,
@@ -68,7 +69,6 @@ from .common import (
     check_tensor,
     element_size,
     pack_rows,
-    unpack_exact,
     unpack_rows,
 )
 from .qgz_feedback import QgzResidual
@@ -104,20 +104,15 @@ class QgzPlan:
     """(data bytes, scale count) of one chunk quantized at ``bits[1]``."""
     quant_numel: int = 0
     """W: quantized elements per wire row (``chunk_numel`` without segments)."""
-    exact_numel: int = 0
-    """E: unquantized elements per wire row (0 without segments)."""
+    exact_per_chunk: Tuple[int, ...] = ()
+    """Unquantized elements of each chunk (its small parameters; empty without segments).
+    Rows carry exactly these, so a hop's rows differ in size (uneven all-to-all splits)."""
     exact_itemsize: int = 4
     """Bytes per exact element on hop 1 (the input dtype's); hop 2 sends fp32 partials."""
 
     @property
-    def hop1_bytes(self) -> int:
-        """Bytes of one hop-1 row: codes, scales, exact part."""
-        return self.hop1_row[0] + 4 * self.hop1_row[1] + self.exact_numel * self.exact_itemsize
-
-    @property
-    def hop2_bytes(self) -> int:
-        """Bytes of one hop-2 row."""
-        return self.hop2_row[0] + 4 * self.hop2_row[1] + self.exact_numel * 4
+    def has_exact(self) -> bool:
+        return any(self.exact_per_chunk)
 
     @property
     def dp_size(self) -> int:
@@ -152,7 +147,8 @@ def qgz_plan(
         check_quant_args(b, block_size)
     c = math.ceil(numel / (nodes * ranks_per_node))
     w = c if layout is None else layout.quant_numel
-    e = 0 if layout is None else layout.exact_numel
+    e = () if layout is None else tuple(layout.exact_elements(m)
+                                        for m in range(nodes * ranks_per_node))
     return QgzPlan(
         nodes=nodes,
         ranks_per_node=ranks_per_node,
@@ -163,7 +159,7 @@ def qgz_plan(
         hop1_row=tuple(quantized_sizes(w, bits[0], block_size)),
         hop2_row=tuple(quantized_sizes(w, bits[1], block_size)),
         quant_numel=w,
-        exact_numel=e,
+        exact_per_chunk=e,
         exact_itemsize=exact_itemsize,
     )
 
@@ -242,7 +238,7 @@ def qgz_reduce_scatter(
     if residual is not None and not isinstance(residual, QgzResidual):
         raise ValueError(f"residual must be a QgzResidual or None, got {type(residual).__name__}")
     if stats is not None:
-        _record(stats, plan, intra_ranks, inter_ranks, me)
+        _record(stats, plan, intra_ranks, inter_ranks, me, intra_ranks.index(me))
 
     def body():
         total = _reduce(plan, input, intra_node_group, inter_node_group, residual,
@@ -255,17 +251,22 @@ def qgz_reduce_scatter(
                         keep=(input,), stats=stats)
 
 
-def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me) -> None:
+def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me, j) -> None:
     stats.count_call(REDUCE_SCATTER)
+    K, N, e = plan.nodes, plan.ranks_per_node, plan.exact_per_chunk
     if plan.runs_intra_hop:
         nbytes, nblocks = plan.hop1_row
-        nbytes += plan.exact_numel * plan.exact_itemsize
-        k = plan.nodes  # K rows to every intra-node peer
-        stats.record_all_to_all(REDUCE_SCATTER, intra_ranks, me, k * nbytes, k * 4 * nblocks)
+        # K rows to every intra-node peer j': chunks k' * N + j', with their exact elements.
+        payload = [K * nbytes + sum(e[k * N + jj] for k in range(K)) * plan.exact_itemsize
+                   if e else K * nbytes for jj in range(N)]
+        stats.record_all_to_all_v(REDUCE_SCATTER, intra_ranks, me, payload,
+                                  [K * 4 * nblocks] * N)
     if plan.runs_inter_hop:
         nbytes, nblocks = plan.hop2_row
-        nbytes += plan.exact_numel * 4
-        stats.record_all_to_all(REDUCE_SCATTER, inter_ranks, me, nbytes, 4 * nblocks)
+        # Row k' (chunk k' * N + j, fp32 exact partials) to inter-node peer k'.
+        payload = [nbytes + (4 * e[k * N + j] if e else 0) for k in range(K)]
+        stats.record_all_to_all_v(REDUCE_SCATTER, inter_ranks, me, payload,
+                                  [4 * nblocks] * K)
 
 
 def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
@@ -284,7 +285,7 @@ def _reduce(plan: QgzPlan, input: torch.Tensor, intra_group, inter_group,
         q, e = x.view(z, c), None
     else:
         q = layout.gather("q", x, range(z))
-        e = layout.gather("e", x, range(z)) if plan.exact_numel else None
+        e = layout.gather("e", x, range(z)) if plan.has_exact else None
     me = dist.get_rank(inter_group) * plan.ranks_per_node + dist.get_rank(intra_group)
     if hadamard_seed is None:
         qsum, esum = _hops(plan, q.reshape(-1), e, intra_group, inter_group, residual)
@@ -313,19 +314,22 @@ def _hops(plan: QgzPlan, x: torch.Tensor, exact: Optional[torch.Tensor], intra_g
     ``exact`` (Z rows of E, chunk order, or None). Returns this rank's (quantized-part sum
     (1, W) fp32, exact-part sum (1, E) fp32 or None)."""
     K, N, bs = plan.nodes, plan.ranks_per_node, plan.block_size
+    e = plan.exact_per_chunk
     if exact is not None:
         exact = exact.index_select(0, _chunk_order(K, N, exact.device))  # send order
+    j = 0
     if plan.runs_intra_hop:
+        j = dist.get_rank(intra_group)
         data, scales = _first_quantize(x, K, N, plan.bits[0], bs, residual)
         rows, exact = _intra_node_hop(plan, data, scales, intra_group, residual, exact)
     else:
         # N == 1: the hop-1 order is the identity and the only quantization is hop 2's.
         rows = _first_quantize(x, K, 1, plan.bits[1], bs, residual)
         if exact is not None:
-            exact = exact.to(torch.float32)
+            exact = [exact[k, : e[k]].to(torch.float32) for k in range(K)]
     if not plan.runs_inter_hop:
-        return rows, exact
-    return _inter_node_hop(plan, rows, exact, inter_group)
+        return rows, None if exact is None else exact[0].view(1, -1)
+    return _inter_node_hop(plan, rows, exact, inter_group, j)
 
 
 def _empty_codes(rows: int, bits: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -386,23 +390,66 @@ def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     return data, scales
 
 
+def _exchange(plan: QgzPlan, data, scales, exact, chunks, recv_chunks, pieces, group,
+              exact_dtype):
+    """One hop's all-to-all. Row i (chunk ``chunks[i]``) is ``[codes | scales | exact]``,
+    the exact part holding just that chunk's small-parameter elements; rows go in order, the
+    group's peers taking equal numbers of them. ``recv_chunks`` are the chunks of the rows one
+    peer sends here (the same from every peer). Returns the received codes ``(pieces,
+    len(recv_chunks), nbytes)``, scales, and per received row the ``(pieces, E)`` exact
+    values (``None`` without exact parts)."""
+    if exact is None:  # equal rows: one equal-split all-to-all
+        send = pack_rows(data, scales)
+        recv = torch.empty_like(send)
+        all_to_all_into(recv, send, group)
+        r_data, r_scales = unpack_rows(recv, data.shape[-1], data.dtype)
+        rows = len(recv_chunks)
+        return r_data.view(pieces, rows, -1), r_scales.view(pieces, rows, -1), None
+    e, isz = plan.exact_per_chunk, torch.empty(0, dtype=exact_dtype).element_size()
+    code_bytes, scale_bytes = data.shape[-1], 4 * scales.shape[-1]
+    parts = []
+    for i, m in enumerate(chunks):
+        parts += [data[i].view(torch.uint8), scales[i].view(torch.uint8),
+                  exact[i, : e[m]].contiguous().view(torch.uint8)]
+    send = torch.cat(parts)
+    per_peer = len(chunks) // pieces
+    row = code_bytes + scale_bytes
+    in_splits = [sum(row + e[m] * isz for m in chunks[p * per_peer : (p + 1) * per_peer])
+                 for p in range(pieces)]
+    from_one = sum(row + e[m] * isz for m in recv_chunks)
+    recv = torch.empty(pieces * from_one, dtype=torch.uint8, device=send.device)
+    all_to_all_v_into(recv, send, [from_one] * pieces, in_splits, group)
+    rows = len(recv_chunks)
+    r_codes = torch.empty(pieces, rows, code_bytes, dtype=torch.uint8, device=send.device)
+    r_scales = torch.empty(pieces, rows, scales.shape[-1], dtype=torch.float32,
+                           device=send.device)
+    r_exact = [torch.empty(pieces, e[m], dtype=exact_dtype, device=send.device)
+               for m in recv_chunks]
+    pos = 0
+    for p in range(pieces):
+        for i, m in enumerate(recv_chunks):
+            r_codes[p, i] = recv[pos : pos + code_bytes]
+            pos += code_bytes
+            r_scales[p, i].view(torch.uint8).copy_(recv[pos : pos + scale_bytes])
+            pos += scale_bytes
+            n = e[m] * isz
+            r_exact[i][p].view(torch.uint8).copy_(recv[pos : pos + n])
+            pos += n
+    return r_codes.view(data.dtype), r_scales, r_exact
+
+
 def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzResidual] = None,
                     exact: Optional[torch.Tensor] = None):
     """Steps 2-3. Returns (requantized (data, scales) of K rows, or the fp32 sum if K == 1;
-    the exact part's fp32 node partials (K, E) or None)."""
+    the exact part's fp32 node partials, one (1, E_m) tensor per row, or None)."""
     K, N, w, bs = plan.nodes, plan.ranks_per_node, plan.quant_numel, plan.block_size
-    send = pack_rows(data, scales, exact)  # (Z, row bytes), in send-position order
-    recv = torch.empty_like(send)
-    all_to_all_into(recv, send, group)
-    # Received rows: from intra peer j, the K chunks k' * N + (my intra index), k' = 0..K-1.
-    nbytes, nblocks = plan.hop1_row
-    r_data, r_scales = unpack_rows(recv, nbytes, data.dtype, 4 * nblocks)
-    r_data = r_data.view(N, K, -1)
-    r_scales = r_scales.view(N, K, -1)
-    partial_exact = None
-    if exact is not None:
-        r_exact = unpack_exact(recv, nbytes + 4 * nblocks, exact.dtype).view(N, K, -1)
-        partial_exact = _sum_pieces(r_exact)
+    order = qgz_chunk_order(K, N)
+    j = dist.get_rank(group)
+    # Received rows: from intra peer j', the K chunks k' * N + (my intra index), k' = 0..K-1.
+    r_data, r_scales, r_exact = _exchange(
+        plan, data, scales, exact, order, [k * N + j for k in range(K)], N, group,
+        None if exact is None else exact.dtype)
+    partial_exact = None if r_exact is None else [_sum_pieces(t) for t in r_exact]
     if not plan.runs_inter_hop:
         return _reduce_pieces(r_data, r_scales, plan.bits[0], bs, w), partial_exact
     if residual is None or w == 0:
@@ -417,19 +464,23 @@ def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzRe
     return rows, partial_exact
 
 
-def _inter_node_hop(plan: QgzPlan, rows, exact: Optional[torch.Tensor], group):
+def _inter_node_hop(plan: QgzPlan, rows, exact, group, intra_index: int = 0):
     """Steps 4-5: send node-partial row k' to inter peer k', sum the K partials received.
-    Returns (quantized-part sum (1, W), exact-part sum (1, E) or None), fp32."""
+    ``exact``: the rows' fp32 exact partials (a list of K tensors, row k' = chunk
+    ``k' * N + intra_index``) or None. Returns (quantized-part sum (1, W), exact-part sum
+    (1, E_d) or None), fp32."""
     data, scales = rows
-    K, w, bs = plan.nodes, plan.quant_numel, plan.block_size
-    send = pack_rows(data, scales, exact)  # (K, row bytes)
-    recv = torch.empty_like(send)
-    all_to_all_into(recv, send, group)
-    nbytes, nblocks = plan.hop2_row
-    r_data, r_scales = unpack_rows(recv, nbytes, data.dtype, 4 * nblocks)
-    total_exact = None
+    K, N, w, bs = plan.nodes, plan.ranks_per_node, plan.quant_numel, plan.block_size
+    chunks = [k * N + intra_index for k in range(K)]
+    stacked = None
     if exact is not None:
-        total_exact = _sum_pieces(unpack_exact(recv, nbytes + 4 * nblocks, torch.float32)
-                                  .view(K, 1, -1))
+        width = max(t.numel() for t in exact)
+        stacked = torch.zeros(K, width, dtype=torch.float32, device=data.device)
+        for k, t in enumerate(exact):
+            stacked[k, : t.numel()] = t.view(-1)
+    r_data, r_scales, r_exact = _exchange(
+        plan, data, scales, stacked, chunks, [chunks[dist.get_rank(group)]], K, group,
+        torch.float32)
+    total_exact = None if r_exact is None else _sum_pieces(r_exact[0]).view(1, -1)
     return _reduce_pieces(r_data.view(K, 1, -1), r_scales.view(K, 1, -1), plan.bits[1], bs,
                           w), total_exact

@@ -33,13 +33,13 @@ from .accounting import CommStats
 from .common import (
     FLOAT_DTYPES,
     all_gather_into,
+    all_to_all_v_into,
     check_member,
     check_quant_args,
     check_same_device,
     check_tensor,
-    exact_bytes,
+    element_size,
     pack_rows,
-    unpack_exact,
     unpack_rows,
 )
 from .segments import layout_for
@@ -89,11 +89,14 @@ def qwz_all_gather(
         )
     layout = layout_for(segments, g, n, block_size)
     nbytes, nblocks = quantized_sizes(layout.quant_numel, bits, block_size)
+    me_global = torch.distributed.get_rank()
+    me = ranks.index(me_global)
     if stats is not None:
         stats.count_call(ALLGATHER)
-        stats.record_ring(ALLGATHER, ranks, nbytes + exact_bytes(layout, output.dtype),
-                          4 * nblocks)
-    me = ranks.index(torch.distributed.get_rank())
+        stats.record_ring(ALLGATHER, ranks, nbytes, 4 * nblocks)
+        if layout.exact_numel:  # this rank's small-parameter elements, to every peer
+            stats.record_all_to_all(ALLGATHER, ranks, me_global,
+                                    layout.exact_elements(me) * element_size(output.dtype))
 
     def body():
         _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me)
@@ -111,13 +114,10 @@ def _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout,
         data = torch.empty(1, 0, dtype=torch.int8 if bits == 8 else torch.uint8,
                            device=input.device)
         scales = torch.empty(1, 0, dtype=torch.float32, device=input.device)
-    exact = None
-    if layout.exact_numel:
-        exact = layout.gather("e", mine, (me,), local=True).to(output.dtype)
-    send = pack_rows(data, scales, exact).view(-1)
+    send = pack_rows(data, scales).view(-1)
     recv = torch.empty(g, send.numel(), dtype=torch.uint8, device=send.device)
     all_gather_into(recv, send, group)
-    all_data, all_scales = unpack_rows(recv, nbytes, data.dtype, 4 * scales.shape[-1])
+    all_data, all_scales = unpack_rows(recv, nbytes, data.dtype)
     if layout.identity:
         dequantize_chunks(all_data, all_scales, bits, block_size, n, output.dtype,
                           out=output.view(g, n))
@@ -126,7 +126,26 @@ def _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout,
     if layout.quant_numel:
         values = dequantize_chunks(all_data, all_scales, bits, block_size, layout.quant_numel,
                                    output.dtype)
-    all_exact = None
-    if exact is not None:
-        all_exact = unpack_exact(recv, nbytes + 4 * scales.shape[-1], output.dtype)
-    layout.scatter(output.view(g, n), range(g), values, all_exact)
+    exact = None
+    if layout.exact_numel:
+        exact = _gather_exact(layout, mine, me, g, output.dtype, group)
+    layout.scatter(output.view(g, n), range(g), values, exact)
+
+
+def _gather_exact(layout, mine, me, g, dtype, group) -> torch.Tensor:
+    """The small-parameter elements of every rank, ``(g, E)`` zero-padded: each rank sends its
+    own (a different count per rank, so an all-to-all with uneven receive splits rather than
+    an all-gather padded to the largest, which would cost the widest rank's count on every
+    rank)."""
+    counts = [layout.exact_elements(q) for q in range(g)]
+    isz = element_size(dtype)
+    own = layout.gather("e", mine, (me,), local=True)[0, : counts[me]].to(dtype)
+    send = own.repeat(g).view(torch.uint8)
+    recv = torch.empty(sum(counts) * isz, dtype=torch.uint8, device=own.device)
+    all_to_all_v_into(recv, send, [c * isz for c in counts], [counts[me] * isz] * g, group)
+    out = torch.zeros(g, layout.exact_numel, dtype=dtype, device=own.device)
+    pos = 0
+    for q, c in enumerate(counts):
+        out[q, :c].view(torch.uint8).copy_(recv[pos : pos + c * isz])
+        pos += c * isz
+    return out
