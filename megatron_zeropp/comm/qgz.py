@@ -251,6 +251,46 @@ def qgz_reduce_scatter(
                         keep=(input,), stats=stats)
 
 
+def qgz_residual_input(residual: QgzResidual, numel: int, intra_node_group, inter_node_group,
+                       *, block_size: int = DEFAULT_BLOCK_SIZE, segments=None,
+                       hadamard_seed: Optional[int] = None) -> Optional[torch.Tensor]:
+    """What error feedback still owes: the residuals of ``residual`` mapped back to the input
+    of ``numel`` elements (fp32; zeros at exact segments), for a caller that reduces the next
+    gradients exactly and adds this first (qgZ switched off: flush, do not drop). Sum over the
+    DP ranks of it equals the sum of what the ranks' quantizations left out, so adding it to
+    the input of an exact reduce-scatter delivers it in full. ``None`` if nothing is held.
+    The arguments are those of the qgZ calls that filled ``residual``."""
+    if not residual.nbytes():
+        return None
+    K, N = dist.get_world_size(inter_node_group), dist.get_world_size(intra_node_group)
+    z = K * N
+    c = math.ceil(numel / z)
+    layout = None
+    w = c
+    if segments is not None:
+        segments = [tuple(seg) for seg in segments]
+        if segments[-1][1] == numel < z * c:
+            segments[-1] = (segments[-1][0], z * c, segments[-1][2])
+        layout = layout_for(segments, z, c, block_size)
+        w = layout.quant_numel
+    send = residual.peek("send")
+    width = send.numel() // z  # W, or W padded to whole blocks under the Hadamard rotation
+    rows = send.view(z, width).clone()
+    partial = residual.peek("partial")
+    if partial is not None:  # this rank's hop-2 residual of chunks k' * N + j
+        j = dist.get_rank(intra_node_group)
+        rows[j::N].add_(partial.view(K, width))
+    if hadamard_seed is not None:
+        rows = unrotate_blocks(rows.reshape(-1), block_size, hadamard_seed).view(z, width)
+    out = torch.zeros(z * c, dtype=torch.float32, device=send.device)
+    if layout is None:
+        out.view(z, c).copy_(rows[:, :c])
+    else:
+        layout.scatter(out, range(z), rows[:, :w], torch.zeros(z, layout.exact_numel,
+                                                                device=send.device))
+    return out[:numel]
+
+
 def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me, j) -> None:
     stats.count_call(REDUCE_SCATTER)
     K, N, e = plan.nodes, plan.ranks_per_node, plan.exact_per_chunk
@@ -387,7 +427,16 @@ def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     order = _chunk_order(K, N, x.device)
     sent = dequantize_chunks(data, scales, bits, bs, c, torch.float32)  # (Z, c), send order
     buf.view(-1, c).index_copy_(0, order, xr.view(-1, c).index_select(0, order) - sent)
+    _drop_non_finite(buf)
     return data, scales
+
+
+def _drop_non_finite(buf: torch.Tensor) -> None:
+    """Zero the residual entries that are NaN / Inf. A non-finite gradient (fp16's dynamic loss
+    scale overflows by design at the start) quantizes to a NaN block; carried on, that NaN
+    would poison every later step (each one skipped). The step that produced it is skipped
+    anyway, so its residual is worth nothing."""
+    torch.nan_to_num_(buf, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _exchange(plan: QgzPlan, data, scales, exact, chunks, recv_chunks, pieces, group,
@@ -461,6 +510,7 @@ def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzRe
     partial.add_(buf)
     rows = quantize_chunks(partial, plan.bits[1], bs)
     buf.copy_(partial - dequantize_chunks(*rows, plan.bits[1], bs, w, torch.float32))
+    _drop_non_finite(buf)
     return rows, partial_exact
 
 

@@ -38,8 +38,12 @@ class QgzResidual:
             )
         return buf
 
+    def peek(self, point: str):
+        """The residual of ``point`` if one is held, else ``None`` (no allocation)."""
+        return self._buffers.get(point)
+
     def reset(self) -> None:
-        """Drop the residuals (qgZ switched off, weights loaded); the next use starts at 0."""
+        """Drop the residuals (flushed, or weights loaded); the next use starts at 0."""
         self._buffers = {}
 
     def nbytes(self) -> int:

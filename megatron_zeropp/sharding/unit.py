@@ -39,6 +39,7 @@ from megatron_zeropp.comm import (
     SecondaryWeights,
     StaleSecondaryError,
     qgz_reduce_scatter,
+    qgz_residual_input,
     qwz_all_gather,
     zero3_all_gather,
     zero3_reduce_scatter,
@@ -117,9 +118,23 @@ class ShardComm:
             if self.measure_qgz_error and key is not None:
                 return self._measured_qgz(output, input, async_op, key, residual, segments)
             return self._qgz(output, input, async_op, residual, segments)
+        if residual is not None:
+            self._flush_residual(input, residual, segments)
         return zero3_reduce_scatter(
             output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
         )
+
+    def _flush_residual(self, input, residual: QgzResidual, segments) -> None:
+        """qgZ is off now: add what error feedback still carries to this (exact) reduction's
+        input, once, instead of dropping it (the sum over ranks then delivers it in full)."""
+        carried = qgz_residual_input(
+            residual, input.numel(), self.groups.intra_node, self.groups.inter_node,
+            block_size=self.config.qgz_block_size, segments=segments,
+            hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
+        )
+        if carried is not None:
+            input.view(-1).add_(carried.to(input.dtype))
+        residual.reset()
 
     def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None,
              segments=None):
@@ -272,7 +287,8 @@ class ShardedUnit:
         return self._qgz_residuals[bucket_index]
 
     def drop_qgz_residuals(self) -> None:
-        """Forget the qgZ residuals (qgZ switched off, other weights loaded)."""
+        """Forget the qgZ residuals (other weights loaded; when qgZ switches off they are
+        flushed into the next exact reduction instead, :meth:`ShardComm.reduce_gradients`)."""
         if self._qgz_residuals is None:
             return
         self.finish_grad_reduce()  # a reduction in flight may still write them

@@ -156,7 +156,9 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-hpz", action="store_true", help="node-local secondary weights")
     g.add_argument("--zeropp-hpz-partition-size", type=int, default=None)
     g.add_argument("--zeropp-qgz", action="store_true", help="quantized 2-hop gradient reduction")
-    g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=4)
+    g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=8,
+                   help="qgZ intra-node hop width (runs only with several DP ranks per node; "
+                   "INT8 by default, the inter-node hop INT4)")
     g.add_argument("--zeropp-qgz-inter-bits", type=int, choices=(4, 8), default=4)
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
     g.add_argument("--zeropp-small-param-threshold", type=int, default=100_000,
