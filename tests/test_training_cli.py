@@ -30,6 +30,7 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-qgz-error-log --zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits
 --zeropp-qgz-intra-bits --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size
 --zeropp-shard-grads --zeropp-small-param-threshold --zeropp-unit
+--zeropp-qgz-stochastic-rounding --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""

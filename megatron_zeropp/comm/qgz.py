@@ -39,6 +39,7 @@ rows of the N (then K) senders line up element by element.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from megatron_zeropp.quant import (
     swizzled_quantize,
 )
 from megatron_zeropp.quant.hadamard import check_rotation_block, rotate_blocks, unrotate_blocks
+from megatron_zeropp.quant.rounding import derive_key, row_keys
 
 from .accounting import CommStats
 from .common import (
@@ -178,6 +180,7 @@ def qgz_reduce_scatter(
     residual: Optional[QgzResidual] = None,
     hadamard_seed: Optional[int] = None,
     segments=None,
+    rounding_key: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """Quantized two-hop reduce-scatter; DP rank ``inter_rank * N + intra_rank`` gets its chunk.
 
@@ -202,6 +205,10 @@ def qgz_reduce_scatter(
             parameter (:func:`.segments.param_segments`): no block spans two of them, and
             ``exact`` ones are summed unquantized (see the module docstring). ``None``: blocks
             run across parameters.
+        rounding_key: round stochastically (both hops) with random numbers drawn from this
+            32-bit key (:mod:`megatron_zeropp.quant.rounding`; each hop's rows keyed by
+            chunk): the caller makes it differ per rank, iteration and bucket, and a rerun
+            with the same keys is bit-identical. ``None``: round to nearest.
     """
     check_op(op)
     check_tensor("input", input, contiguous=False)
@@ -235,14 +242,23 @@ def qgz_reduce_scatter(
         if not isinstance(hadamard_seed, int) or isinstance(hadamard_seed, bool):
             raise ValueError(f"hadamard_seed must be an int or None, got {hadamard_seed!r}")
         check_rotation_block(block_size)
+    if rounding_key is not None and (not isinstance(rounding_key, int)
+                                     or isinstance(rounding_key, bool)
+                                     or not 0 <= rounding_key < 2**32):
+        raise ValueError(f"rounding_key must be an int in [0, 2**32) or None, got "
+                         f"{rounding_key!r}")
     if residual is not None and not isinstance(residual, QgzResidual):
         raise ValueError(f"residual must be a QgzResidual or None, got {type(residual).__name__}")
     if stats is not None:
         _record(stats, plan, intra_ranks, inter_ranks, me, intra_ranks.index(me))
 
     def body():
-        total = _reduce(plan, input, intra_node_group, inter_node_group, residual,
-                        hadamard_seed, layout)
+        token = _ROUNDING_KEY.set(rounding_key)
+        try:
+            total = _reduce(plan, input, intra_node_group, inter_node_group, residual,
+                            hadamard_seed, layout)
+        finally:
+            _ROUNDING_KEY.reset(token)
         if op == "avg":
             total.div_(plan.dp_size)
         output.view(-1).copy_(total.view(-1))
@@ -372,6 +388,20 @@ def _hops(plan: QgzPlan, x: torch.Tensor, exact: Optional[torch.Tensor], intra_g
     return _inter_node_hop(plan, rows, exact, inter_group, j)
 
 
+# The stochastic-rounding key of the qgZ call running in this context (None: round to nearest).
+_ROUNDING_KEY: contextvars.ContextVar = contextvars.ContextVar("qgz_rounding_key", default=None)
+
+
+def _round_keys(point: int, chunks, device) -> Optional[torch.Tensor]:
+    """Row keys for quantization ``point`` (1: hop 1, 2: hop 2's requantization) of rows
+    holding ``chunks``, from the call's key; None when rounding to nearest. Keyed by chunk,
+    not by position, so a chunk's random numbers do not depend on the send order."""
+    base = _ROUNDING_KEY.get()
+    if base is None:
+        return None
+    return row_keys(derive_key(base, point), chunks, device)
+
+
 def _empty_codes(rows: int, bits: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales of ``rows`` rows of 0 elements (a bucket whose every parameter in
     this chunk travels exactly): the kernels are not called on empty rows."""
@@ -380,9 +410,10 @@ def _empty_codes(rows: int, bits: int, device) -> Tuple[torch.Tensor, torch.Tens
             torch.empty(rows, 0, dtype=torch.float32, device=device))
 
 
-def _reduce_pieces(data, scales, bits, bs, w, out_bits=None):
+def _reduce_pieces(data, scales, bits, bs, w, out_bits=None, out_row_keys=None):
     """:func:`dequantize_reduce` of (P, C, ...) pieces to fp32 (or requantized at
-    ``out_bits``), also for rows of 0 quantized elements."""
+    ``out_bits``, stochastically with ``out_row_keys``), also for rows of 0 quantized
+    elements."""
     if w == 0:
         rows = data.shape[1]
         if out_bits is None:
@@ -390,7 +421,8 @@ def _reduce_pieces(data, scales, bits, bs, w, out_bits=None):
         return _empty_codes(rows, out_bits, data.device)
     if out_bits is None:
         return dequantize_reduce(data, scales, bits, bs, w, out_dtype=torch.float32)
-    return dequantize_reduce(data, scales, bits, bs, w, out_bits=out_bits, out_block_size=bs)
+    return dequantize_reduce(data, scales, bits, bs, w, out_bits=out_bits, out_block_size=bs,
+                             out_row_keys=out_row_keys)
 
 
 def _sum_pieces(pieces: torch.Tensor) -> torch.Tensor:
@@ -418,11 +450,12 @@ def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     """Step 1, with error feedback when ``residual`` is given (kept in input order)."""
     if x.numel() == 0:
         return _empty_codes(K * N, bits, x.device)
+    keys = _round_keys(1, qgz_chunk_order(K, N), x.device)  # per send position: its chunk's
     if residual is None:
-        return swizzled_quantize(x, K, N, bits, bs)
+        return swizzled_quantize(x, K, N, bits, bs, keys)
     buf = residual.buffer("send", x.numel(), x.device)
     xr = x.to(torch.float32) + buf
-    data, scales = swizzled_quantize(xr, K, N, bits, bs)
+    data, scales = swizzled_quantize(xr, K, N, bits, bs, keys)
     c = x.numel() // (K * N)
     order = _chunk_order(K, N, x.device)
     sent = dequantize_chunks(data, scales, bits, bs, c, torch.float32)  # (Z, c), send order
@@ -501,14 +534,15 @@ def _intra_node_hop(plan: QgzPlan, data, scales, group, residual: Optional[QgzRe
     partial_exact = None if r_exact is None else [_sum_pieces(t) for t in r_exact]
     if not plan.runs_inter_hop:
         return _reduce_pieces(r_data, r_scales, plan.bits[0], bs, w), partial_exact
+    keys = _round_keys(2, [k * N + j for k in range(K)], data.device)
     if residual is None or w == 0:
-        return _reduce_pieces(r_data, r_scales, plan.bits[0], bs, w, plan.bits[1]), \
+        return _reduce_pieces(r_data, r_scales, plan.bits[0], bs, w, plan.bits[1], keys), \
             partial_exact
     # Error feedback on the requantization of the node partials, too.
     partial = dequantize_reduce(r_data, r_scales, plan.bits[0], bs, w, out_dtype=torch.float32)
     buf = residual.buffer("partial", K * w, partial.device).view(K, w)
     partial.add_(buf)
-    rows = quantize_chunks(partial, plan.bits[1], bs)
+    rows = quantize_chunks(partial, plan.bits[1], bs, keys)
     buf.copy_(partial - dequantize_chunks(*rows, plan.bits[1], bs, w, torch.float32))
     _drop_non_finite(buf)
     return rows, partial_exact

@@ -9,8 +9,9 @@ into ``output`` in the output's dtype::
              output[i * n : (i + 1) * n] = dequantize(q_i, s_i)    for every i
 
 The result equals, bit for bit, the concatenation of ``dequantize(quantize(shard_i))``. Rounding
-is to nearest only (never stochastic), so gathering twice from the same shards gives identical
-bits: the forward and the backward pass (through hpZ) see the same weights. Error never
+is to nearest unless ``rounding_key`` asks for stochastic rounding; either way gathering twice
+from the same shards (with the same key) gives identical bits: the forward and the backward
+pass (through hpZ) see the same weights. Error never
 accumulates across steps because every step quantizes the full-precision primary shard again.
 
 Blocks never straddle two shards (each rank quantizes its own shard), so a shard size that is
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 
 from megatron_zeropp.quant import dequantize_chunks, quantize_chunks, quantized_sizes
+from megatron_zeropp.quant.rounding import row_keys
 
 from .accounting import CommStats
 from .common import (
@@ -60,6 +62,7 @@ def qwz_all_gather(
     block_size: int = DEFAULT_BLOCK_SIZE,
     stats: Optional[CommStats] = None,
     segments=None,
+    rounding_key: Optional[int] = None,
 ) -> Optional[CommHandle]:
     """Quantized all-gather of every rank's ``input`` shard into ``output``.
 
@@ -75,6 +78,11 @@ def qwz_all_gather(
         segments: ``(start, end, exact)`` ranges covering the gathered tensor (one per
             parameter, :func:`.segments.param_segments`): blocks start afresh at every segment
             and ``exact`` ones are sent unquantized. ``None``: blocks run across the shard.
+        rounding_key: round stochastically with random numbers drawn from this 32-bit key
+            (:mod:`megatron_zeropp.quant.rounding`); every rank dequantizes the same codes, so
+            all ranks still see the same weights, and the same key gives the same bits (the
+            caller keeps it fixed within a step: forward and backward must see one set of
+            weights). ``None``: round to nearest.
     """
     check_tensor("input", input, contiguous=False)
     check_tensor("output", output, dtypes=FLOAT_DTYPES)
@@ -87,6 +95,11 @@ def qwz_all_gather(
             f"qwz_all_gather: output has {output.numel()} elements, expected group size {g} x "
             f"input numel {n} = {g * n}"
         )
+    if rounding_key is not None and (not isinstance(rounding_key, int)
+                                     or isinstance(rounding_key, bool)
+                                     or not 0 <= rounding_key < 2**32):
+        raise ValueError(f"rounding_key must be an int in [0, 2**32) or None, got "
+                         f"{rounding_key!r}")
     layout = layout_for(segments, g, n, block_size)
     nbytes, nblocks = quantized_sizes(layout.quant_numel, bits, block_size)
     me_global = torch.distributed.get_rank()
@@ -98,18 +111,21 @@ def qwz_all_gather(
             stats.record_all_to_all(ALLGATHER, ranks, me_global,
                                     layout.exact_elements(me) * element_size(output.dtype))
 
+    keys = None if rounding_key is None else row_keys(rounding_key, (me,), input.device)
+
     def body():
-        _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me)
+        _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me, keys)
 
     return run_protocol(body, async_op, ALLGATHER, input.device, stats=stats)
 
 
-def _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me) -> None:
+def _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout, me,
+                      keys=None) -> None:
     n = input.numel()
     mine = input.reshape(1, n)
     if layout.quant_numel:
         data, scales = quantize_chunks(layout.gather("q", mine, (me,), local=True), bits,
-                                       block_size)
+                                       block_size, keys)
     else:  # every parameter of this bucket travels exactly
         data = torch.empty(1, 0, dtype=torch.int8 if bits == 8 else torch.uint8,
                            device=input.device)

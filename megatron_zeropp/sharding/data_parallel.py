@@ -449,6 +449,7 @@ class ZeroPPDataParallel(_BaseDataParallel):
         # When qgZ switches off, error-feedback residuals are flushed into the next exact
         # reduction of their bucket (ShardComm.reduce_gradients), not dropped.
         self.comm.qgz_active = self.zeropp.qgz and iteration < cutoff
+        self.comm.iteration = iteration  # keys qgZ's stochastic rounding
         interval = self.zeropp.qgz_error_interval
         # Iteration numbers in the log are 1-based: ``iteration`` here is the one about to run.
         n = iteration + 1

@@ -69,6 +69,7 @@ class ZeroPPBucketGroup(_ParamAndGradBucketGroup):
                 key=None if unit is None else unit.name,
                 residual=None if unit is None else unit.qgz_residual(i),
                 segments=None if unit is None else unit.segments[i],
+                bucket_id=None if unit is None else unit.bucket_ids[i],
             )
             if handle is not None:
                 handles.append(handle)
