@@ -70,7 +70,9 @@ class ZeroPPConfig:
     """Error feedback for qgZ: each rank keeps, per bucket, the fp32 residual of what it
     quantized (hop 1's input, and hop 2's requantized node partials) and adds it to the next
     step's input at the same place (:mod:`megatron_zeropp.comm.qgz_feedback`). Costs 4 bytes per
-    gradient element per rank (plus 4K/Z for hop 2). Needs ``qgz``."""
+    quantized gradient element per rank (plus 4K/Z for hop 2). Non-finite entries (an fp16
+    overflow step) are dropped; when qgZ switches off (``qgz_fraction``) the residual is added
+    to the next exact reduction. Needs ``qgz``."""
     qgz_hadamard: bool = False
     """Rotate every qgZ block by a randomized Hadamard transform before quantizing
     (:mod:`megatron_zeropp.quant.hadamard`): outliers spread over their block, so INT4 scales
