@@ -131,7 +131,7 @@ def test_training_with_feedback(shard_grads):
 
 
 # -- qgZ switched off: the residual is flushed into the next exact reduction ----------------------
-def _flush(ctx, flush):
+def _flush(ctx, flush, hadamard=None):
     from megatron_zeropp.comm import (
         QgzResidual,
         qgz_reduce_scatter,
@@ -150,20 +150,20 @@ def _flush(ctx, flush):
     for _ in range(K_STEPS):
         out = torch.empty(c)
         qgz_reduce_scatter(out, x, groups.intra_node, groups.inter_node, residual=residual,
-                           segments=segs)
+                           segments=segs, hadamard_seed=hadamard)
         acc += out.double()
     # The step after qgZ switched off: an exact reduce-scatter, with the residual added first.
     y = x.clone()
     if flush:
         y += qgz_residual_input(residual, N, groups.intra_node, groups.inter_node,
-                                segments=segs)
+                                segments=segs, hadamard_seed=hadamard)
     out = torch.empty(c)
     zero3_reduce_scatter(out, y, groups.dp, "sum")
     return acc + out.double()
 
 
-@pytest.mark.parametrize("nodes,rpn", [(2, 2), (2, 1)])
-def test_flushed_residual_makes_the_sum_over_steps_exact(nodes, rpn):
+@pytest.mark.parametrize("nodes,rpn,hadamard", [(2, 2, None), (2, 1, None), (2, 2, 5)])
+def test_flushed_residual_makes_the_sum_over_steps_exact(nodes, rpn, hadamard):
     # K qgZ steps with feedback then one exact step: with the flush, everything the quantizers
     # left out arrives, and the total equals (K + 1) x the exact sum up to fp32 rounding (the
     # residual and the sums are fp32: ~2**-24 relative per operation, some hundred operations
@@ -173,7 +173,7 @@ def test_flushed_residual_makes_the_sum_over_steps_exact(nodes, rpn):
     exact = (K_STEPS + 1) * _exact(world)
     rel = {}
     for flush in (True, False):
-        total = torch.cat(run_distributed(_flush, nodes, rpn, args=(flush,)))
+        total = torch.cat(run_distributed(_flush, nodes, rpn, args=(flush, hadamard)))
         rel[flush] = ((total - exact).norm() / exact.norm()).item()
     print(f"relative error after the switch-off: flushed {rel[True]:.2e}, dropped {rel[False]:.2e}")
     assert rel[True] < 1e-5
