@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from megatron_zeropp.optimizer import distributed_optimizers
 
-from . import checks
+from . import checks, qgz_residuals
 from .legacy import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
 from .sharded_state import (
     copy_loaded,
@@ -200,6 +200,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         state["rng_state"] = _rng_state(_current_rng())
     tmp = begin_save(root, iteration, overwrite, model_config)
     dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
+    qgz_residuals.save(tmp, model_chunks)
     return commit_save(root, iteration)
 
 
@@ -279,6 +280,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
             print(f"> {used}", flush=True)
     if load_rng:
         _set_rng(loaded["rng_state"])
+    qgz_residuals.load(directory, model_chunks)
     return it, getattr(ckpt_args, "consumed_train_samples", 0)
 
 

@@ -52,6 +52,15 @@ class QgzResidual:
         """Drop the residuals (flushed, or weights loaded); the next use starts at 0."""
         self._buffers = {}
 
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The residuals held (point -> fp32 tensor), for a checkpoint."""
+        return dict(self._buffers)
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor], device) -> None:
+        """Hold ``state``'s residuals (copied to ``device``) instead of the current ones."""
+        self._buffers = {k: v.to(device=device, dtype=torch.float32).clone()
+                         for k, v in state.items()}
+
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
