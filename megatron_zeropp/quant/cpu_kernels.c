@@ -101,7 +101,8 @@ static float quantize_block(const float *x, int64_t bs, int bits, void *codes, i
     if (stochastic) {
         for (int64_t i = 0; i < bs; i++) {
             const uint32_t h = mix32((uint32_t)(col0 + i) ^ key);
-            const float u = (float)(h >> 8) * 0x1p-24f;
+            /* h >> 8 < 2^24: through int32, a conversion the compiler vectorizes */
+            const float u = (float)(int32_t)(h >> 8) * 0x1p-24f;
             float v = floorf(y[i] + u);
             v = v < -qmax ? -qmax : v;
             y[i] = v > qmax ? qmax : v;
