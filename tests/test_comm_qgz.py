@@ -193,7 +193,7 @@ def test_qgz_places_chunk_d_on_dp_rank_d_within_the_bound(nodes, rpn):
 # ---------------------------------------------------------------- the check can fail
 
 
-def _wrong_order_quantize(x_flat, nodes, rpn, bits, bs):
+def _wrong_order_quantize(x_flat, nodes, rpn, bits, bs, row_keys=None):
     # The classic bug: quantize the chunks in their natural order, no swizzle.
     return quantize_chunks(x_flat.view(nodes * rpn, -1), bits, bs)
 
