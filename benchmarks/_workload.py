@@ -171,6 +171,7 @@ def measure_volume(ctx, names: List[str], spec: ModelSpec, iterations: int = 2) 
         out[name] = {
             "elements": built.elements,
             "buckets": [b.param_data.numel() for u in built.wrapped.units for b in u.buckets],
+            "segments": [seg for u in built.wrapped.units for seg in u.segments],
             "counts": counts_table_row(counts),
             "calls": {phase: dict(c.calls) for phase, c in counts.items()},
             "loss": result.loss,

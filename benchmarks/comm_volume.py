@@ -108,7 +108,7 @@ def model_check(results: dict, nodes: int, rpn: int) -> List[str]:
 
     bad = []
     for name, r in results.items():
-        model = iteration_counts(r["buckets"], nodes, rpn, W.CONFIGS[name])
+        model = iteration_counts(r["buckets"], nodes, rpn, W.CONFIGS[name], r.get("segments"))
         if W.counts_table_row(model) != r["counts"]:
             bad.append(name)
     return bad

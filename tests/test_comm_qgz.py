@@ -193,17 +193,17 @@ def test_qgz_places_chunk_d_on_dp_rank_d_within_the_bound(nodes, rpn):
 # ---------------------------------------------------------------- the check can fail
 
 
-def _wrong_order_quantize(x_flat, nodes, rpn, bits, bs):
+def _wrong_order_quantize(x_flat, nodes, rpn, bits, bs, row_keys=None):
     # The classic bug: quantize the chunks in their natural order, no swizzle.
     return quantize_chunks(x_flat.view(nodes * rpn, -1), bits, bs)
 
 
-def _skip_inter_hop(plan, rows, group):
+def _skip_inter_hop(plan, rows, exact, group, intra_index=0):
     # The other classic bug: keep this node's partial sum, never exchange it across nodes.
     data, scales = rows
     k = dist.get_rank(group)
     return dequantize_chunks(data[k : k + 1], scales[k : k + 1], plan.bits[1], plan.block_size,
-                             plan.chunk_numel, torch.float32)
+                             plan.chunk_numel, torch.float32), None
 
 
 def _broken_worker(ctx, bug):

@@ -172,3 +172,46 @@ def test_pretrain_writes_one_json_line_per_measured_iteration(tmp_path):
     for d in lines:
         assert 0 < d["total"] < 1
         assert any("layers.1" in name for name in d["units"]), d["units"]
+
+
+# -- the report's all-reduce keeps program order behind queued gathers (CPU) ---------------------
+def _report_behind_a_queued_gather(ctx, raw):
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_zeropp.comm.work import run_protocol
+    from megatron_zeropp.sharding.qgz_error import QgzErrorMeter
+    from megatron_zeropp.topology import build_process_groups
+
+    groups = build_process_groups(ctx.topology())
+    meter = QgzErrorMeter()
+    meter.add("unit", torch.ones(4), torch.full((4,), 2.0))
+    mine = torch.full((8,), float(ctx.rank))
+    gathered = torch.empty(8 * ctx.world_size)
+
+    def prefetch():  # what start_param_sync queues after the optimizer step
+        if ctx.rank == 0:
+            time.sleep(1.0)  # rank 0's comm thread is late
+        dist.all_gather_into_tensor(gathered, mine, group=groups.dp)
+
+    handle = run_protocol(prefetch, True, "prefetch", mine.device)
+    if raw:  # the old code: a raw all-reduce from the main thread
+        sums = torch.ones(2, dtype=torch.float64)
+        dist.all_reduce(sums, group=groups.dp)
+        report = None
+    else:
+        report = meter.report(["unit"], groups.dp)
+    handle.wait()
+    return report, gathered.tolist()
+
+
+def test_error_report_does_not_overtake_a_queued_gather():
+    # The CPU hang of --zeropp-qgz-error-interval: the report's all-reduce, issued from the main
+    # thread while the next step's prefetch gathers were still queued on the comm thread, ran
+    # before them on some ranks only. Through the comm lane it waits its turn.
+    world = 4
+    for report, gathered in run_distributed(_report_behind_a_queued_gather, 2, 2,
+                                            args=(False,), timeout=60):
+        assert report["total"] == pytest.approx(0.5)  # ||1 - 2|| / ||2||, summed over 4 ranks
+        assert gathered == [float(r) for r in range(world) for _ in range(8)]

@@ -197,3 +197,41 @@ def test_a_wrong_code_is_noticed():
     got = tk.quantize_chunks(x, 8, 32)
     got[0][1, 5] += 1
     assert not same(got, ref.quantize_chunks(x, 8, 32))
+
+
+# --- stochastic rounding by row keys ------------------------------------------------------------
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,block,tile", [(100, 32, 64), (256, 128, 256)])
+def test_stochastic_quantize_matches_the_reference(dtype, bits, n, block, tile):
+    from megatron_zeropp.quant import reference as ref
+    from megatron_zeropp.quant import rounding
+    from megatron_zeropp.quant import triton_kernels as tk
+
+    x = tricky(6, n, dtype, seed=n + bits)
+    keys = rounding.row_keys(99, range(6))
+    want = ref.quantize_chunks(x, bits, block, keys)
+    assert same(tk.quantize_chunks(x, bits, block, keys, tile=tile), want)
+    assert not same(want, ref.quantize_chunks(x, bits, block))  # it did round differently
+
+
+@needs_interpreter
+@pytest.mark.parametrize("out", [(4, 128), (8, 64), (4, 32)])
+def test_stochastic_swizzle_and_requantize_match_the_reference(out):
+    from megatron_zeropp.quant import qgz_reference as qref
+    from megatron_zeropp.quant import reference as ref
+    from megatron_zeropp.quant import rounding
+    from megatron_zeropp.quant import triton_kernels as tk
+
+    x = torch.randn(8 * 128, generator=torch.Generator().manual_seed(3))
+    keys = rounding.row_keys(5, range(8))
+    assert same(tk.swizzled_quantize(x, 2, 4, 4, 64, keys, tile=128),
+                qref.swizzled_quantize(x, 2, 4, 4, 64, keys))
+    data, scales = ref.quantize_chunks(tricky(6, 256, torch.float32, seed=1), 4, 128)
+    data, scales = data.view(3, 2, -1), scales.view(3, 2, -1)
+    keys = rounding.row_keys(7, range(2))
+    got = tk.dequantize_reduce(data, scales, 4, 128, 256, *out, out_row_keys=keys, tile=256)
+    assert same(got, qref.dequantize_reduce(data, scales, 4, 128, 256, *out,
+                                            out_row_keys=keys))

@@ -26,9 +26,11 @@ SUPPORTED_FLAGS = sorted("""
 --valid-data-path --vocab-size
 --weight-decay
 --zeropp-hpz --zeropp-hpz-partition-size --zeropp-prefetch-depth --zeropp-qgz
---zeropp-qgz-block-size --zeropp-qgz-error-feedback --zeropp-qgz-error-interval --zeropp-qgz-error-log
---zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits --zeropp-qgz-intra-bits
---zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size --zeropp-shard-grads --zeropp-unit
+--zeropp-qgz-block-size --zeropp-qgz-error-feedback --zeropp-qgz-error-interval
+--zeropp-qgz-error-log --zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits
+--zeropp-qgz-intra-bits --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size
+--zeropp-shard-grads --zeropp-small-param-threshold --zeropp-unit
+--zeropp-qgz-stochastic-rounding --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""

@@ -7,11 +7,12 @@ counted by the collectives themselves (``megatron_zeropp.comm.accounting``: ring
 gathers and reduce-scatters, exact per destination for all-to-all).
 """
 
-import math
 
 import pytest
 import torch
 
+from megatron_zeropp.comm.segments import layout_for
+from megatron_zeropp.quant import quantized_sizes
 from megatron_zeropp.sharding import ZeroPPConfig
 from megatron_zeropp.simulated_nodes import run_distributed
 
@@ -42,6 +43,7 @@ def _measure(ctx, zeropp):
         # the next step's first units, gathering since the optimizer step ended
         "prefetched": sum(2 * b.param_data.numel() for u in first for b in u.buckets),
         "buckets": bucket_sizes,
+        "segments": [s for u in wrapped.units for s in u.segments],
         "inter": {p: c.total(locality="inter") for p, c in counts.items()},
         "inter_payload": {p: c.total(locality="inter", part="payload") for p, c in counts.items()},
         "intra": {p: c.total(locality="intra") for p, c in counts.items()},
@@ -78,23 +80,28 @@ def test_cross_node_bytes_3m_vs_075m(measured, nodes, rpn):
     # ZeRO++: hpZ's backward gather never leaves the node...
     assert pp["inter"]["backward"] == 0 and pp["intra"]["backward"] > 0
     # ...qwZ sends INT8 (1 byte per element) of its shard to the Z-1 others, and qgZ's inter-node
-    # hop sends INT4 (1/2 byte) of the node-reduced chunk to K-1 other nodes, each padded to
-    # whole blocks (256 for qwZ, 128 for qgZ): payload <= 0.75 M.
-    def padded(numel, block):
-        return math.ceil(numel / block) * block
-
+    # hop sends INT4 (1/2 byte) of the node-reduced chunk to K-1 other nodes. Blocks (256 for
+    # qwZ, 128 for qgZ) start afresh at every parameter and the small parameters (norms,
+    # biases) travel exactly (comm/segments.py): qwZ sends this rank's (DP rank 0's) 16-bit
+    # ones to each of the Z - N ranks on other nodes, qgZ the fp32 node partials of chunk k*N
+    # to node k.
+    n = rpn
     payload = sum(pp["inter_payload"].values())
-    expect_payload = sum(
-        (z - 1) * padded(b // z, 256) + (k - 1) * padded(b // z, 128) // 2 for b in pp["buckets"]
-    )
+    expect_payload = scales = plain_payload = 0
+    for b, segs in zip(pp["buckets"], pp["segments"]):
+        lq, lg = layout_for(segs, z, b // z, 256), layout_for(segs, z, b // z, 128)
+        qw, qg = quantized_sizes(lq.quant_numel, 8, 256), quantized_sizes(lg.quant_numel, 4, 128)
+        expect_payload += (z - 1) * qw[0] + (z - n) * 2 * lq.exact_elements(0)
+        expect_payload += sum(qg[0] + 4 * lg.exact_elements(kk * n) for kk in range(1, k))
+        # Scales: one fp32 per qwZ block of each of the Z-1 shards received, one per qgZ
+        # block of each of the K-1 chunks sent across nodes.
+        scales += (z - 1) * 4 * qw[1] + (k - 1) * 4 * qg[1]
+        plain_payload += (z - 1) * quantized_sizes(b // z, 8, 256)[0] \
+            + (k - 1) * quantized_sizes(b // z, 4, 128)[0]
     assert payload == expect_payload, (payload, expect_payload)
     assert payload <= 0.75 * unit
-    # Scales: one fp32 per qwZ block of 256 of each of the Z-1 shards received, one per qgZ
-    # block of 128 of each of the K-1 chunks sent across nodes.
-    scales = sum(
-        (z - 1) * math.ceil(b // z / 256) * 4 + (k - 1) * math.ceil(b // z / 128) * 4
-        for b in pp["buckets"]
-    )
+    print(f"payload with parameter-aligned blocks and exact small parameters: {payload} B, "
+          f"blocks across parameters: {plain_payload} B (+{payload / plain_payload - 1:.2%})")
     total = sum(pp["inter"].values())
     assert total <= 0.75 * unit + scales, (total / unit, scales / unit)
     print(f"cross-node per iteration: ZeRO-3 {3 * ring / unit:.4f} M, ZeRO++ {total / unit:.4f} M "

@@ -10,7 +10,11 @@ MICRO = 2
 
 
 def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=torch.float32):
-    """Model + DP wrapper + optimizer for ``impl`` in {"megatron", "zeropp"}."""
+    """Model + DP wrapper + optimizer for ``impl`` in {"megatron", "zeropp"}.
+
+    A ``zeropp`` config left at the default ``small_param_threshold`` gets
+    ``tiny_gpt.TINY_THRESHOLD`` instead: at the default every parameter of the tiny GPT would
+    travel exactly and the quantized paths would go untested."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from megatron_zeropp.optimizer import get_zeropp_optimizer
@@ -26,11 +30,18 @@ def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=
         wrapped = T.megatron_ddp(module, config, **ddp_kwargs)
         optimizer = get_megatron_optimizer(opt_cfg, [wrapped])
     else:
+        import dataclasses
+
         from megatron.core.distributed import DistributedDataParallelConfig
+
+        zeropp = zeropp or ZeroPPConfig()
+        default = ZeroPPConfig.__dataclass_fields__["small_param_threshold"].default
+        if zeropp.small_param_threshold == default:
+            zeropp = dataclasses.replace(zeropp, small_param_threshold=T.TINY_THRESHOLD)
 
         wrapped = ZeroPPDataParallel(
             config, DistributedDataParallelConfig(**ddp_kwargs), module,
-            ctx.topology(tp, pp), zeropp or ZeroPPConfig(),
+            ctx.topology(tp, pp), zeropp,
         )
         optimizer = get_zeropp_optimizer(opt_cfg, [wrapped])
     T.wire_schedule_hooks(config, wrapped, optimizer)

@@ -45,6 +45,8 @@ from typing import Dict, List, Optional, Sequence
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 from megatron_zeropp.comm import CommStats, StepCounts, qgz_plan  # noqa: E402
+from megatron_zeropp.comm.qgz import _record as record_qgz  # noqa: E402
+from megatron_zeropp.comm.segments import layout_for  # noqa: E402
 from megatron_zeropp.quant import quantized_sizes  # noqa: E402
 from megatron_zeropp.sharding import ZeroPPConfig  # noqa: E402
 
@@ -69,12 +71,17 @@ PAPER_SETTINGS = (
 
 # -- bytes: the project's accounting model, replayed ------------------------------------------
 def iteration_counts(
-    bucket_sizes: Sequence[int], nodes: int, ranks_per_node: int, zeropp: ZeroPPConfig
+    bucket_sizes: Sequence[int], nodes: int, ranks_per_node: int, zeropp: ZeroPPConfig,
+    segments: Optional[Sequence] = None, grad_itemsize: int = 2,
 ) -> Dict[str, StepCounts]:
     """Bytes DP rank 0 sends in one iteration (one micro-batch), per phase.
 
     ``bucket_sizes``: elements of every gathered bucket (each a multiple of the DP size, as the
-    sharding layer pads them). The DP group is ``nodes * ranks_per_node`` ranks, node-major
+    sharding layer pads them). ``segments``: per bucket its parameters' ``(start, end, exact)``
+    (``ShardedUnit.segments``), for the parameter-aligned layout qwZ and qgZ use; ``None``:
+    blocks across parameters (one segment per bucket). ``grad_itemsize``: bytes per gradient
+    element (qgZ's hop 1 sends exact small parameters in the gradient dtype). The DP group is
+    ``nodes * ranks_per_node`` ranks, node-major
     (TP = PP = 1). Mirrors ``ShardComm``/``ShardedUnit``: forward = qwZ or plain all-gather over
     the DP group; backward = hpZ's intra-node gather when on, else as forward; grad = qgZ's two
     all-to-alls when on, else a plain reduce-scatter.
@@ -91,10 +98,14 @@ def iteration_counts(
                          f"{ranks_per_node}")
     hpz_ranks = list(range(hpz_size))
     stats = {p: CommStats(ranks_per_node) for p in PHASES}
-    for numel in bucket_sizes:
+    if segments is None:
+        segments = [None] * len(bucket_sizes)
+    for numel, segs in zip(bucket_sizes, segments):
         if not isinstance(numel, int) or numel < 1 or numel % z:
             raise ValueError(f"bucket size {numel!r} must be a positive multiple of DP size {z}")
         shard = numel // z
+        qwz_layout = layout_for(segs, z, shard, zeropp.qwz_block_size)
+        qgz_layout = None if segs is None else layout_for(segs, z, shard, zeropp.qgz_block_size)
         for phase in ("forward", "backward"):
             s = stats[phase]
             if phase == "backward" and zeropp.hpz:
@@ -102,24 +113,22 @@ def iteration_counts(
                 slice_bytes = 2 * math.ceil(numel / hpz_size)
                 s.record_ring("hpz_allgather", hpz_ranks, slice_bytes, HPZ_TAG_BYTES)
             elif zeropp.qwz:
-                nbytes, nblocks = quantized_sizes(shard, zeropp.qwz_bits, zeropp.qwz_block_size)
+                nbytes, nblocks = quantized_sizes(qwz_layout.quant_numel, zeropp.qwz_bits,
+                                                  zeropp.qwz_block_size)
                 s.count_call("qwz_allgather")
                 s.record_ring("qwz_allgather", dp, nbytes, 4 * nblocks)
+                if qwz_layout.exact_numel:  # rank 0's exact small parameters, to every peer
+                    s.record_all_to_all("qwz_allgather", dp, 0, 2 * qwz_layout.exact_elements(0))
             else:
                 s.count_call("zero3_allgather")
                 s.record_ring("zero3_allgather", dp, 2 * shard)
         s = stats["grad"]
         if zeropp.qgz:
+            # bf16 gradients, as the sharding layer's buffers for a bf16 model
             plan = qgz_plan(numel, nodes, ranks_per_node,
-                            (zeropp.qgz_intra_bits, zeropp.qgz_inter_bits), zeropp.qgz_block_size)
-            s.count_call("qgz_reduce_scatter")
-            if plan.runs_intra_hop:
-                nbytes, nblocks = plan.hop1_row
-                s.record_all_to_all("qgz_reduce_scatter", intra, 0, nodes * nbytes,
-                                    nodes * 4 * nblocks)
-            if plan.runs_inter_hop:
-                nbytes, nblocks = plan.hop2_row
-                s.record_all_to_all("qgz_reduce_scatter", inter, 0, nbytes, 4 * nblocks)
+                            (zeropp.qgz_intra_bits, zeropp.qgz_inter_bits), zeropp.qgz_block_size,
+                            qgz_layout, grad_itemsize)
+            record_qgz(s, plan, intra, inter, 0, 0)
         else:
             s.count_call("zero3_reduce_scatter")
             s.record_ring("zero3_reduce_scatter", dp, 2 * shard)

@@ -10,7 +10,7 @@ for the byte model.
 from .accounting import CommStats, StepCounts
 from .baseline import zero3_all_gather, zero3_reduce_scatter
 from .hpz import SecondaryPartition, SecondaryWeights, StaleSecondaryError
-from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter
+from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter, qgz_residual_input
 from .qgz_feedback import QgzResidual
 from .qwz import qwz_all_gather
 from .work import CommHandle
@@ -26,6 +26,7 @@ __all__ = [
     "StepCounts",
     "qgz_plan",
     "qgz_reduce_scatter",
+    "qgz_residual_input",
     "qwz_all_gather",
     "zero3_all_gather",
     "zero3_reduce_scatter",

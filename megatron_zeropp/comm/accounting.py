@@ -193,13 +193,37 @@ class CommStats:
             loc = "intra" if self.node_of(r) == mine else "inter"
             self._add(protocol, loc, payload_per_peer, scales_per_peer)
 
+    def record_all_to_all_v(self, protocol: str, ranks: Sequence[int], me: int,
+                            payload_by_peer: Sequence[int],
+                            scales_by_peer: Optional[Sequence[int]] = None) -> None:
+        """Record an all-to-all with uneven splits: ``payload_by_peer[i]`` bytes to ``ranks[i]``
+        (the entry for ``me`` is not charged)."""
+        scales_by_peer = scales_by_peer or [0] * len(ranks)
+        if me not in ranks or len(payload_by_peer) != len(ranks) != len(scales_by_peer):
+            raise ValueError(f"{protocol}: {len(payload_by_peer)} sizes for the all-to-all group "
+                             f"{tuple(ranks)} (rank {me})")
+        mine = self.node_of(me)
+        for r, payload, scales in zip(ranks, payload_by_peer, scales_by_peer):
+            _check_sizes(protocol, payload, scales)
+            if r != me:
+                loc = "intra" if self.node_of(r) == mine else "inter"
+                self._add(protocol, loc, payload, scales)
+
     def record_handed(self, protocol: str, kind: str, ranks: Sequence[int], me: int,
-                      nbytes: int) -> None:
+                      nbytes: int, splits: Optional[Sequence[int]] = None) -> None:
         """Record a tensor of ``nbytes`` handed to a ``torch.distributed`` collective of
         ``kind`` (``"all_gather"``: the send buffer; ``"reduce_scatter"``: the input;
-        ``"all_to_all"``: the send buffer, equal splits) over global ``ranks``."""
+        ``"all_to_all"``: the send buffer, equal splits unless ``splits`` gives the bytes per
+        destination) over global ``ranks``."""
         g = len(ranks)
         if g < 2:
+            return
+        if kind == "all_to_all" and splits is not None:
+            mine = self.node_of(me)
+            for r, n in zip(ranks, splits):
+                if r != me:
+                    self._add_handed(protocol,
+                                     "intra" if self.node_of(r) == mine else "inter", n)
             return
         if kind == "all_gather":
             self._add_handed(protocol, self._ring_locality(ranks), (g - 1) * nbytes)

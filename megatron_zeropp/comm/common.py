@@ -66,6 +66,18 @@ def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     dist.all_to_all_single(output, input, group=group)
 
 
+def all_to_all_v_into(output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                      input_splits: List[int], group) -> None:
+    """Synchronous all-to-all of flat uint8 buffers with uneven splits (bytes per group rank)."""
+    call = CURRENT_CALL.get()
+    if call is not None:
+        protocol, stats = call
+        stats.record_handed(protocol, "all_to_all", group_ranks(group), dist.get_rank(),
+                            input.numel(), splits=list(input_splits))
+    dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                           input_split_sizes=list(input_splits), group=group)
+
+
 def check_tensor(name: str, t, dtypes=FLOAT_DTYPES, contiguous: bool = True) -> None:
     """Raise ``ValueError`` unless ``t`` is a non-empty tensor of an allowed dtype."""
     if not isinstance(t, torch.Tensor):
@@ -120,8 +132,15 @@ def unpack_rows(
     # A fresh contiguous copy, not contiguous(): viewing bytes as fp32 needs offset 0 and strides
     # divisible by 4, and contiguous() may return the offset view itself when leading dims are 1.
     scale_bytes = packed[..., nbytes:].clone(memory_format=torch.contiguous_format)
+    if scale_bytes.shape[-1] == 0:  # rows without quantized elements (all exact)
+        return data, torch.empty(scale_bytes.shape, dtype=torch.float32, device=packed.device)
     scales = scale_bytes.view(torch.float32)
     return data, scales
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def check_quant_args(bits, block_size) -> None:

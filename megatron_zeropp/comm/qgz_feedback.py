@@ -9,7 +9,13 @@ The points are hop 1's quantization of this rank's whole (padded) gradient, or h
 there is one rank per node, and, with both hops, hop 2's requantization of the node's partial
 sums (``K`` rows of one chunk). Residuals are fp32: they are the size of the quantization error,
 and bf16 would add its own rounding (2**-9 relative) on top of every carried residual; the cost
-is 4 bytes per gradient element of hop 1 plus ``4 K / Z`` of hop 2, per rank.
+is 4 bytes per gradient element of hop 1 plus ``4 K / Z`` of hop 2, per rank (with
+parameter-aligned segments: per quantized wire element; exact small parameters have none).
+
+Non-finite entries are zeroed after every update (``qgz._drop_non_finite``): an overflowing
+fp16 step quantizes to NaN blocks, and a NaN carried on would make every later step skip. When
+qgZ switches off, ``qgz.qgz_residual_input`` maps what is held back to the input, for the next
+exact reduction to deliver.
 """
 
 from __future__ import annotations
@@ -38,9 +44,22 @@ class QgzResidual:
             )
         return buf
 
+    def peek(self, point: str):
+        """The residual of ``point`` if one is held, else ``None`` (no allocation)."""
+        return self._buffers.get(point)
+
     def reset(self) -> None:
-        """Drop the residuals (qgZ switched off, weights loaded); the next use starts at 0."""
+        """Drop the residuals (flushed, or weights loaded); the next use starts at 0."""
         self._buffers = {}
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The residuals held (point -> fp32 tensor), for a checkpoint."""
+        return dict(self._buffers)
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor], device) -> None:
+        """Hold ``state``'s residuals (copied to ``device``) instead of the current ones."""
+        self._buffers = {k: v.to(device=device, dtype=torch.float32).clone()
+                         for k, v in state.items()}
 
     def nbytes(self) -> int:
         """Bytes held."""

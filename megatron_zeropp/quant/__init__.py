@@ -9,8 +9,11 @@ cannot be built), ``cpu_torch``, ``triton`` (also on CPU tensors, which needs
 ``TRITON_INTERPRET=1`` set before triton is first imported) or ``auto`` (the default).
 Triton, the C kernels and the reference give bit-identical results for round-to-nearest;
 ``cpu_torch`` is bit-identical except :func:`dequantize_reduce`, which rounds each product in
-fp32 instead of fusing the multiply-add (bound in :mod:`.cpu_fast`). Stochastic rounding always
-runs on the reference. Importing this package never imports megatron-core.
+fp32 instead of fusing the multiply-add (bound in :mod:`.cpu_fast`). Stochastic rounding by row
+keys (``row_keys=`` / ``out_row_keys=``, :mod:`.rounding`) runs in the Triton and C kernels,
+bit-identical to the reference (``cpu_torch`` hands it to the reference); the torch-generator
+stochastic rounding of :func:`quantize_blockwise` runs on the reference only. Importing this
+package never imports megatron-core.
 """
 
 from __future__ import annotations
@@ -108,17 +111,28 @@ def _impl(device):
     return {"triton": _triton, "cpu": _native, "cpu_torch": _cpu_torch}.get(backend_for(device))
 
 
-def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor,
-                                                                            torch.Tensor]:
+def _with_keys(impl, keys):
+    """The backend module for a call; ``cpu_torch`` has no stochastic kernels: the reference."""
+    if impl is None or (keys is not None and impl is _cpu_torch):
+        return None
+    return impl
+
+
+def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
+                    row_keys: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor,
+                                                                      torch.Tensor]:
     """Quantize each row of ``x2d (C, n)`` independently, padded per row to whole blocks.
 
     Returns ``data (C, nbytes)`` (int8, or uint8 holding two INT4 codes per byte) and fp32
     ``scales (C, nblocks)``; ``(nbytes, nblocks) = quantized_sizes(n, bits, block_size)``.
+    ``row_keys`` (int64, one 32-bit key per row, :mod:`.rounding`): stochastic rounding.
     """
-    impl = _impl(x2d.device)
+    impl = _with_keys(_impl(x2d.device), row_keys)
     if impl is None:
-        return _ref.quantize_chunks(x2d, bits, block_size)
-    return impl.quantize_chunks(x2d, bits, block_size)
+        return _ref.quantize_chunks(x2d, bits, block_size, row_keys)
+    if row_keys is None:
+        return impl.quantize_chunks(x2d, bits, block_size)
+    return impl.quantize_chunks(x2d, bits, block_size, row_keys=row_keys)
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
@@ -161,22 +175,28 @@ def dequantize_blockwise(qt: QuantizedTensor, dtype: Optional[torch.dtype] = Non
 
 
 def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
-                      block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      block_size: int, row_keys: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """qgZ's first step: the Z chunks of ``x_flat`` in send order, each quantized as one row.
 
     Equal to ``quantize_chunks(x_flat.view(Z, -1)[qgz_chunk_order(nodes, ranks_per_node)], ...)``;
-    ``x_flat.numel()`` must be divisible by ``Z = nodes * ranks_per_node``.
+    ``x_flat.numel()`` must be divisible by ``Z = nodes * ranks_per_node``. ``row_keys``: one per
+    send position, stochastic rounding (:mod:`.rounding`).
     """
-    impl = _impl(x_flat.device)
+    impl = _with_keys(_impl(x_flat.device), row_keys)
     if impl is None:
-        return _qgz_ref.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size)
-    return impl.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size)
+        return _qgz_ref.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size,
+                                          row_keys)
+    if row_keys is None:
+        return impl.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size)
+    return impl.swizzled_quantize(x_flat, nodes, ranks_per_node, bits, block_size,
+                                  row_keys=row_keys)
 
 
 def dequantize_reduce(
     data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
     out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, out_row_keys: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Sum P pieces ``data (P, C, nbytes)`` / ``scales (P, C, nblocks)`` in fp32, per element.
 
@@ -187,8 +207,12 @@ def dequantize_reduce(
 
     With ``out_bits`` the C row sums are requantized (``out_block_size`` defaults to
     ``block_size``) and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; without,
-    the sums are cast to ``out_dtype`` and returned as ``(C, numel)``.
+    the sums are cast to ``out_dtype`` and returned as ``(C, numel)``. ``out_row_keys``: round
+    the requantization stochastically (one key per row, :mod:`.rounding`).
     """
-    impl = _impl(data.device)
+    impl = _with_keys(_impl(data.device), out_row_keys)
     fn = _qgz_ref.dequantize_reduce if impl is None else impl.dequantize_reduce
-    return fn(data, scales, bits, block_size, numel, out_bits, out_block_size, out_dtype)
+    if out_row_keys is None:
+        return fn(data, scales, bits, block_size, numel, out_bits, out_block_size, out_dtype)
+    return fn(data, scales, bits, block_size, numel, out_bits, out_block_size, out_dtype,
+              out_row_keys=out_row_keys)

@@ -9,6 +9,9 @@
  *     emulates in fp64 and what the GPU kernels do.
  * Built with -ffp-contract=off, so the compiler fuses nothing the reference rounds twice.
  * Each block is staged in an L1-sized fp32 buffer: the input is read once, the codes written once.
+ * Stochastic rounding (a row key per row, NULL = round to nearest) uses the counter-based hash
+ * of megatron_zeropp/quant/rounding.py: u = (mix32(col ^ key) >> 8) * 2^-24,
+ * q = clamp(floor(y + u), -qmax, qmax).
  *
  * Layouts (C order):
  *   codes  (rows, nbytes)   int8, or uint8 with element 2i in the low nibble (INT4); the codes
@@ -55,8 +58,20 @@ static void load_f32(float *dst, const void *src, int dtype, int64_t n, int64_t 
     for (int64_t i = n; i < len; i++) dst[i] = 0.0f;
 }
 
-/* Quantize one block of bs fp32 values; returns its scale. */
-static float quantize_block(const float *x, int64_t bs, int bits, void *codes) {
+/* lowbias32, as rounding.mix32. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* Quantize one block of bs fp32 values; returns its scale. stochastic: round with the hash of
+ * (col0 + i) ^ key instead of to nearest. */
+static float quantize_block(const float *x, int64_t bs, int bits, void *codes, int stochastic,
+                            uint32_t key, int64_t col0) {
     const float qmax = bits == 8 ? 127.0f : 7.0f;
     /* max |x| on the bit patterns: for non-negative floats the integer order is the float order,
      * and NaN / Inf (exponent all ones) compare above every finite value. */
@@ -83,9 +98,20 @@ static float quantize_block(const float *x, int64_t bs, int bits, void *codes) {
     } else {
         for (int64_t i = 0; i < bs; i++) y[i] = (x[i] * p) * inv;
     }
-    for (int64_t i = 0; i < bs; i++) {
-        float v = y[i] < -qmax ? -qmax : y[i];
-        y[i] = rintf(v > qmax ? qmax : v);
+    if (stochastic) {
+        for (int64_t i = 0; i < bs; i++) {
+            const uint32_t h = mix32((uint32_t)(col0 + i) ^ key);
+            /* h >> 8 < 2^24: through int32, a conversion the compiler vectorizes */
+            const float u = (float)(int32_t)(h >> 8) * 0x1p-24f;
+            float v = floorf(y[i] + u);
+            v = v < -qmax ? -qmax : v;
+            y[i] = v > qmax ? qmax : v;
+        }
+    } else {
+        for (int64_t i = 0; i < bs; i++) {
+            float v = y[i] < -qmax ? -qmax : y[i];
+            y[i] = rintf(v > qmax ? qmax : v);
+        }
     }
     if (bits == 8) {
         int8_t *c = (int8_t *)codes;
@@ -115,9 +141,11 @@ static void decode_block(const void *codes, int bits, int64_t bs, float *dst) {
     }
 }
 
-/* Row r of the output is x + row_offsets[r] (elements), numel long, padded to whole blocks. */
+/* Row r of the output is x + row_offsets[r] (elements), numel long, padded to whole blocks;
+ * keys: one stochastic-rounding key per output row, or NULL (round to nearest). */
 void zpp_quantize_rows(const void *x, int dtype, const int64_t *row_offsets, int64_t rows,
-                       int64_t numel, int bits, int64_t bs, void *codes, float *scales) {
+                       int64_t numel, int bits, int64_t bs, void *codes, float *scales,
+                       const int64_t *keys) {
     const int64_t esize = dtype == 0 ? 4 : 2;
     const int64_t nblocks = (numel + bs - 1) / bs;
     const int64_t block_bytes = bits == 8 ? bs : bs / 2;
@@ -128,7 +156,9 @@ void zpp_quantize_rows(const void *x, int dtype, const int64_t *row_offsets, int
         for (int64_t b = 0; b < nblocks; b++) {
             int64_t n = numel - b * bs < bs ? numel - b * bs : bs;
             load_f32(buf, src + b * bs * esize, dtype, n, bs);
-            scales[r * nblocks + b] = quantize_block(buf, bs, bits, dst + b * block_bytes);
+            scales[r * nblocks + b] = quantize_block(buf, bs, bits, dst + b * block_bytes,
+                                                     keys != 0, keys ? (uint32_t)keys[r] : 0u,
+                                                     b * bs);
         }
     }
 }
@@ -169,7 +199,8 @@ void zpp_dequantize_rows(const void *codes, int64_t row_stride, const float *sca
 void zpp_dequantize_reduce(const void *codes, int64_t piece_stride, int64_t row_stride,
                            const float *scales, int64_t pieces, int64_t rows, int64_t numel,
                            int bits, int64_t bs, int out_bits, int64_t out_bs, void *out_codes,
-                           float *out_scales, void *out, int out_dtype) {
+                           float *out_scales, void *out, int out_dtype,
+                           const int64_t *out_keys) {
     const int64_t nblocks = (numel + bs - 1) / bs;
     const int64_t block_bytes = bits == 8 ? bs : bs / 2;
     const int64_t tile = out_bits && out_bs > bs ? out_bs : bs;
@@ -201,7 +232,8 @@ void zpp_dequantize_reduce(const void *codes, int64_t piece_stride, int64_t row_
                 const int64_t b = (t0 + off) / out_bs;
                 out_scales[r * out_nblocks + b] = quantize_block(
                     acc + off, out_bs, out_bits,
-                    (char *)out_codes + (r * out_nblocks + b) * out_block_bytes);
+                    (char *)out_codes + (r * out_nblocks + b) * out_block_bytes,
+                    out_keys != 0, out_keys ? (uint32_t)out_keys[r] : 0u, t0 + off);
             }
         }
     }

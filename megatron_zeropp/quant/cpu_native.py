@@ -38,6 +38,7 @@ import torch
 
 from . import reference as _ref
 from .qgz_reference import check_reduce_input, check_swizzle_input, qgz_chunk_order
+from .rounding import check_keys
 
 CACHE_ENV = "ZEROPP_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -131,12 +132,12 @@ def load(path: Union[str, Path]) -> ctypes.CDLL:
     except OSError as exc:
         raise NativeUnavailable(f"cannot load {path}: {exc}") from None
     so.zpp_quantize_rows.argtypes = [_PTR, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int, _I64,
-                                     _PTR, _PTR]
+                                     _PTR, _PTR, _PTR]
     so.zpp_dequantize_rows.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, _I64, _PTR,
                                        ctypes.c_int]
     so.zpp_dequantize_reduce.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int,
                                          _I64, ctypes.c_int, _I64, _PTR, _PTR, _PTR,
-                                         ctypes.c_int]
+                                         ctypes.c_int, _PTR]
     for fn in (so.zpp_quantize_rows, so.zpp_dequantize_rows, so.zpp_dequantize_reduce):
         fn.restype = None
     return so
@@ -174,15 +175,26 @@ def _rows(x2d: torch.Tensor, order: Optional[Tuple[int, ...]] = None):
     return x2d, offsets
 
 
+def _keys_arg(keys: Optional[torch.Tensor], rows: int):
+    """(pointer or None, the tensor to keep alive) for optional stochastic-rounding keys."""
+    if keys is None:
+        return None, None
+    keys = check_keys(keys, rows).to("cpu").contiguous()
+    return keys.data_ptr(), keys
+
+
 def _quantize(x2d: torch.Tensor, bits: int, block_size: int,
-              order: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              order: Optional[Tuple[int, ...]] = None,
+              row_keys: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     x2d, offsets = _rows(_as_kernel_input(x2d), order)
     rows, numel = len(offsets), x2d.shape[1]
     nbytes, nblocks = _ref.quantized_sizes(numel, bits, block_size)
     data = torch.empty(rows, nbytes, dtype=torch.int8 if bits == 8 else torch.uint8)
     scales = torch.empty(rows, nblocks, dtype=torch.float32)
+    keys_ptr, _keep = _keys_arg(row_keys, rows)
     library().zpp_quantize_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], offsets.data_ptr(), rows,
-                                numel, bits, block_size, data.data_ptr(), scales.data_ptr())
+                                numel, bits, block_size, data.data_ptr(), scales.data_ptr(),
+                                keys_ptr)
     return data, scales
 
 
@@ -197,26 +209,28 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the CPU kernels take CPU tensors, got one on {t.device}")
 
 
-def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor,
-                                                                            torch.Tensor]:
-    """Bit-identical to the reference's ``quantize_chunks``."""
+def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
+                    row_keys: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+    """Bit-identical to the reference's ``quantize_chunks`` (stochastic rounding included)."""
     if x2d.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x2d.shape)}")
     _ref.check_float_dtype(x2d.dtype, "input")
     _ref.check_bits_and_block_size(bits, block_size)
     _check_cpu(x2d)
-    return _quantize(x2d, bits, block_size)
+    return _quantize(x2d, bits, block_size, row_keys=row_keys)
 
 
 def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
-                      block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      block_size: int, row_keys: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Bit-identical to the reference's ``swizzled_quantize``; the chunks are read in send order
     where they lie (no reordered copy)."""
     _ref.check_bits_and_block_size(bits, block_size)
     chunk = check_swizzle_input(x_flat, nodes, ranks_per_node)
     _check_cpu(x_flat)
     return _quantize(x_flat.view(-1, chunk), bits, block_size,
-                     qgz_chunk_order(nodes, ranks_per_node))
+                     qgz_chunk_order(nodes, ranks_per_node), row_keys)
 
 
 def _output(rows: int, numel: int, dtype: torch.dtype, out: Optional[torch.Tensor]):
@@ -253,7 +267,7 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
 def dequantize_reduce(
     data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
     out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, out_row_keys: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Bit-identical to the reference's ``dequantize_reduce`` (a true fused multiply-add)."""
     out_block_size = check_reduce_input(data, scales, bits, block_size, numel, out_bits,
@@ -269,10 +283,13 @@ def dequantize_reduce(
 
     if out_bits is None:
         written, _ = _output(rows, numel, out_dtype, None)
-        kernel(0, out_block_size, None, None, written.data_ptr(), _DTYPE_CODE[written.dtype])
+        kernel(0, out_block_size, None, None, written.data_ptr(), _DTYPE_CODE[written.dtype],
+               None)
         return _finish(written, None, out_dtype)
     nbytes, nblocks = _ref.quantized_sizes(numel, out_bits, out_block_size)
     out_data = torch.empty(rows, nbytes, dtype=torch.int8 if out_bits == 8 else torch.uint8)
     out_scales = torch.empty(rows, nblocks, dtype=torch.float32)
-    kernel(out_bits, out_block_size, out_data.data_ptr(), out_scales.data_ptr(), None, 0)
+    keys_ptr, _keep = _keys_arg(out_row_keys, rows)
+    kernel(out_bits, out_block_size, out_data.data_ptr(), out_scales.data_ptr(), None, 0,
+           keys_ptr)
     return out_data, out_scales

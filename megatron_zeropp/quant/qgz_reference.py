@@ -78,16 +78,18 @@ def check_swizzle_input(x_flat: torch.Tensor, nodes: int, ranks_per_node: int) -
 
 
 def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
-                      block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                      block_size: int, row_keys: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reorder the Z chunks of ``x_flat`` into qgZ send order and quantize each as one row.
 
     Returns ``data (Z, nbytes)`` and ``scales (Z, nblocks)``, equal to
-    ``quantize_chunks(x_flat.view(Z, -1)[qgz_chunk_order(...)], bits, block_size)``.
+    ``quantize_chunks(x_flat.view(Z, -1)[qgz_chunk_order(...)], bits, block_size, row_keys)``
+    (``row_keys`` in send order: stochastic rounding, :mod:`.rounding`).
     """
     check_bits_and_block_size(bits, block_size)
     chunk = check_swizzle_input(x_flat, nodes, ranks_per_node)
     order = torch.tensor(qgz_chunk_order(nodes, ranks_per_node), device=x_flat.device)
-    return quantize_chunks(x_flat.view(-1, chunk)[order], bits, block_size)
+    return quantize_chunks(x_flat.view(-1, chunk)[order], bits, block_size, row_keys)
 
 
 def check_reduce_input(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
@@ -139,7 +141,7 @@ def fma32(acc: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def dequantize_reduce(
     data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
     out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, out_row_keys: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Sum P received pieces of C quantized rows in fp32, then requantize or cast.
 
@@ -148,8 +150,9 @@ def dequantize_reduce(
     piece with one rounding: ``acc = fl(acc + q * s)`` (a fused multiply-add, see :func:`fma32`;
     it is both cheaper in the kernel and at least as accurate as rounding the product first). With
     ``out_bits`` set, every row is quantized again (``out_block_size`` defaults to ``block_size``)
-    and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned; otherwise the sum is cast
-    to ``out_dtype`` and returned as ``(C, numel)``.
+    and ``(data (C, nbytes_out), scales (C, nblocks_out))`` is returned (rounded stochastically
+    with ``out_row_keys``, :mod:`.rounding`); otherwise the sum is cast to ``out_dtype`` and
+    returned as ``(C, numel)``.
     """
     out_block_size = check_reduce_input(data, scales, bits, block_size, numel, out_bits,
                                         out_block_size, out_dtype)
@@ -164,4 +167,4 @@ def dequantize_reduce(
     acc = acc.view(rows, nblocks * block_size)[:, :numel].contiguous()
     if out_bits is None:
         return acc.to(out_dtype)
-    return quantize_chunks(acc, out_bits, out_block_size)
+    return quantize_chunks(acc, out_bits, out_block_size, out_row_keys)

@@ -52,8 +52,11 @@ Special values (documented contract, tested)
   itself is subnormal (absmax < qmax * 2**-126) it carries less than fp32 precision, and the bound
   above gains an absolute ``qmax * 2**-150``.
 
-Stochastic rounding (reference only; the Triton backend falls back here) replaces the rounding by
-``floor(y + u)``, ``u ~ U[0, 1)`` drawn from ``generator``, which is unbiased: ``E[q] = y``.
+Stochastic rounding replaces the rounding by ``clamp(floor(y + u), -qmax, qmax)``, ``u ~ U[0,
+1)``, which is unbiased: ``E[q] = y``. With ``row_keys`` (:func:`quantize_chunks`) ``u`` is the
+counter-based hash of :mod:`.rounding`, which the C and Triton kernels compute bit for bit
+alike; :func:`quantize_blockwise`'s ``generator`` path draws ``u`` from torch instead
+(reference only).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+
+from .rounding import check_keys, uniforms
 
 QMAX = {8: 127, 4: 7}
 """Largest code magnitude per bit width (symmetric: -qmax ... qmax)."""
@@ -151,9 +156,12 @@ def check_codes(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size:
 
 def quantize_blocks(
     x: torch.Tensor, bits: int, *, stochastic: bool = False,
-    generator: Optional[torch.Generator] = None,
+    generator: Optional[torch.Generator] = None, u: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize fp32 blocks ``x (..., block_size)`` -> (int32 codes, fp32 scales ``(...)``)."""
+    """Quantize fp32 blocks ``x (..., block_size)`` -> (int32 codes, fp32 scales ``(...)``).
+
+    ``u`` (fp32, ``x``'s shape): round stochastically with these uniforms (see
+    :mod:`.rounding`); otherwise ``stochastic`` draws them from ``generator``."""
     qmax = QMAX[bits]
     absmax = x.abs().amax(dim=-1)  # torch.amax propagates NaN
     # Tensor-by-tensor division on purpose: with a Python scalar torch may multiply by a
@@ -168,7 +176,9 @@ def quantize_blocks(
     inv = torch.where(usable, qmax_t / denom, torch.zeros_like(absmax))
     xs = torch.where(ok.unsqueeze(-1), x, torch.zeros_like(x))
     y = (xs * p.unsqueeze(-1)) * inv.unsqueeze(-1)
-    if stochastic:
+    if u is not None:
+        q = torch.floor(y + u).clamp_(-qmax, qmax)
+    elif stochastic:
         device = y.device if generator is None else generator.device
         u = torch.rand(y.shape, generator=generator, dtype=torch.float32, device=device)
         u = u.to(y.device)
@@ -196,7 +206,7 @@ def unpack_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(b.shape[0], -1)
 
 
-def _quantize_chunks(x2d, bits, block_size, stochastic=False, generator=None):
+def _quantize_chunks(x2d, bits, block_size, stochastic=False, generator=None, row_keys=None):
     if x2d.dim() != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x2d.shape)}")
     check_float_dtype(x2d.dtype, "input")
@@ -204,20 +214,26 @@ def _quantize_chunks(x2d, bits, block_size, stochastic=False, generator=None):
     nbytes, nblocks = quantized_sizes(numel, bits, block_size)
     x = torch.zeros(rows, nblocks * block_size, dtype=torch.float32, device=x2d.device)
     x[:, :numel] = x2d
+    u = None
+    if row_keys is not None:
+        u = uniforms(check_keys(row_keys, rows).to(x.device), nblocks * block_size)
+        u = u.view(rows, nblocks, block_size)
     q, scales = quantize_blocks(
-        x.view(rows, nblocks, block_size), bits, stochastic=stochastic, generator=generator
+        x.view(rows, nblocks, block_size), bits, stochastic=stochastic, generator=generator, u=u
     )
     return pack_codes(q.view(rows, -1), bits).view(rows, nbytes), scales.view(rows, nblocks)
 
 
-def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor,
-                                                                            torch.Tensor]:
+def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
+                    row_keys: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor,
+                                                                      torch.Tensor]:
     """Quantize each row of ``x2d (C, n)`` on its own, each row padded to whole blocks.
 
     Returns ``data (C, nbytes)`` (int8 or packed uint8) and ``scales (C, nblocks)`` fp32, with
-    ``(nbytes, nblocks) = quantized_sizes(n, bits, block_size)``.
+    ``(nbytes, nblocks) = quantized_sizes(n, bits, block_size)``. ``row_keys`` (int64, one
+    32-bit key per row): round stochastically (:mod:`.rounding`); ``None``: to nearest.
     """
-    return _quantize_chunks(x2d, bits, block_size)
+    return _quantize_chunks(x2d, bits, block_size, row_keys=row_keys)
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,

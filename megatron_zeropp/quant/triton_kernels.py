@@ -18,8 +18,11 @@ order, so for round-to-nearest the codes, scales and outputs equal the reference
 * a NaN-propagating max for the block absmax, and bf16/fp16 loaded as themselves and widened by
   Triton (bf16 is never reinterpreted as fp16).
 
-Stochastic rounding is not implemented here; :mod:`megatron_zeropp.quant` routes it to the
-reference. Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+Stochastic rounding by row keys (``row_keys`` / ``out_row_keys``) computes the counter-based
+hash of :mod:`.rounding` in uint32 arithmetic, ``q = clamp(floor(y + u))``, bit-identical to the
+reference; the INT4 nibble-major requantize path is skipped for it (the generic one knows each
+element's column). Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
+(tests).
 
 Each program handles one tile of ``G`` consecutive blocks of one row (rows never share a tile), so
 a block's absmax is a reduction inside the program and nothing crosses programs. The kernels are
@@ -45,6 +48,7 @@ from .reference import (
     check_float_dtype,
     quantized_sizes,
 )
+from .rounding import check_keys
 
 # (elements per program, warps per program, FAST) by kernel, from the H200 sweeps recorded in
 # docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
@@ -158,6 +162,30 @@ def _codes(x, ok, p, inv, plain):
 
 
 @triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (:func:`.rounding.mix32`); the second multiplier does not fit an
+    int32 literal, so it is made from its int32 bit pattern."""
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _codes_sr(x, ok, p, inv, cols, key, QMAX_F: tl.constexpr):
+    """Stochastically rounded codes (as :func:`_codes` returns them) of ``x [G, n]`` at row
+    columns ``cols``: ``u = (mix32(col ^ key) >> 8) * 2**-24``, ``clamp(floor(y + u))``."""
+    xs = tl.where(ok[:, None], x, 0.0)
+    y = (xs * p[:, None]) * inv[:, None]
+    h = _mix32(cols.to(tl.uint32) ^ key)
+    u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    q = tl.floor(y + u)
+    q = tl.minimum(tl.maximum(q, -QMAX_F), QMAX_F)
+    return (q + _MAGIC).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _nibble(wx, magic_bits, K: tl.constexpr):
     """Code in nibble K (0..4, bits 4K..4K+3) of words ``wx = w ^ 0x88888888``, as exact fp32.
 
@@ -268,15 +296,21 @@ def _load_scales(scale_ptr, row, t, nblocks_row, G: tl.constexpr, EVEN: tl.const
 @triton.jit
 def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS: tl.constexpr,
                     QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
-                    FAST: tl.constexpr):
+                    FAST: tl.constexpr, keys_ptr, STOCHASTIC: tl.constexpr):
     """Quantize fp32 ``x [G, BS]`` (blocks of tile t of row) and store codes and scales.
 
     INT4 codes go out as int32 words (``data_ptr`` is the code buffer viewed as int32).
+    ``STOCHASTIC``: round with the row's key from ``keys_ptr`` (int64, one per row).
     """
     absmax = tl.reduce(tl.abs(x), 1, _max_nan)
     ok, scale, p, inv, plain = _block_params(absmax, QMAX_F, FAST)
     _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
-    codes = _codes(x, ok, p, inv, plain)
+    if STOCHASTIC:
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
+        codes = _codes_sr(x, ok, p, inv, cols, key, QMAX_F)
+    else:
+        codes = _codes(x, ok, p, inv, plain)
     if BITS == 8:
         # truncation to int8 keeps the low byte: the two's complement code
         _store_row_tile(data_ptr, codes.to(tl.int8), row, t, nbytes_row, nblocks_row, BS, G,
@@ -295,12 +329,12 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblocks_row,
-                          NODES: tl.constexpr, RANKS_PER_NODE: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_row,
+                          nblocks_row, NODES: tl.constexpr, RANKS_PER_NODE: tl.constexpr,
                           SWIZZLE: tl.constexpr, ROWS_FIRST: tl.constexpr,
                           BITS: tl.constexpr, QMAX_F: tl.constexpr, BS: tl.constexpr,
                           G: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-                          INTERPRET: tl.constexpr):
+                          INTERPRET: tl.constexpr, STOCHASTIC: tl.constexpr):
     row, t = _row_and_tile(ROWS_FIRST)
     if SWIZZLE:
         # send position row = j' * K + k' reads chunk k' * N + j' (qgz_reference docstring);
@@ -315,7 +349,7 @@ def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, n_cols, nbytes_row, nblock
     else:
         x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
     _quantize_store(_widen(x, INTERPRET), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row,
-                    BITS, QMAX_F, BS, G, EVEN, FAST)
+                    BITS, QMAX_F, BS, G, EVEN, FAST, keys_ptr, STOCHASTIC)
 
 
 @triton.jit
@@ -352,7 +386,8 @@ def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nb
 def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
                    nblocks_out, OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
                    OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
-                   INTERPRET: tl.constexpr, FAST: tl.constexpr):
+                   INTERPRET: tl.constexpr, FAST: tl.constexpr, keys_ptr,
+                   STOCHASTIC: tl.constexpr):
     """Cast or requantize the fp32 sums ``acc [TILE // B, B]`` (row-major over the tile)."""
     cols = t * TILE + tl.reshape(tl.arange(0, TILE), acc.shape)
     if not EVEN:
@@ -368,17 +403,19 @@ def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nb
     else:
         GO: tl.constexpr = TILE // OUT_BS
         _quantize_store(tl.reshape(acc, (GO, OUT_BS)), row, t, out_data_ptr, out_scale_ptr,
-                        nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, GO, EVEN, FAST)
+                        nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, GO, EVEN, FAST,
+                        keys_ptr, STOCHASTIC)
 
 
 @triton.jit
-def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, out_ptr, rows,
-                              n_cols, nbytes_in, nblocks_in, nbytes_out, nblocks_out,
-                              flip_bits, magic_bits, ROWS_FIRST: tl.constexpr, P: tl.constexpr,
-                              IN_BITS: tl.constexpr, IN_BS: tl.constexpr, OUT_BITS: tl.constexpr,
-                              OUT_QMAX_F: tl.constexpr, OUT_BS: tl.constexpr, TILE: tl.constexpr,
-                              EVEN: tl.constexpr, INTERPRET: tl.constexpr,
-                              FAST: tl.constexpr):
+def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, out_ptr,
+                              keys_ptr, rows, n_cols, nbytes_in, nblocks_in, nbytes_out,
+                              nblocks_out, flip_bits, magic_bits, ROWS_FIRST: tl.constexpr,
+                              P: tl.constexpr, IN_BITS: tl.constexpr, IN_BS: tl.constexpr,
+                              OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
+                              OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
+                              INTERPRET: tl.constexpr, FAST: tl.constexpr,
+                              STOCHASTIC: tl.constexpr):
     row, t = _row_and_tile(ROWS_FIRST)
     GI: tl.constexpr = TILE // IN_BS
     if IN_BITS == 8:
@@ -390,7 +427,8 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                                  EVEN)
             acc = tl.fma(q, s[:, None], acc)  # one rounding per piece, as the reference
         _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nbytes_out,
-                       nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN, INTERPRET, FAST)
+                       nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN, INTERPRET, FAST,
+                       keys_ptr, STOCHASTIC)
     else:
         # INT4: eight nibble-major accumulators, a0[g, i] for element 8i of block g, and so on.
         W: tl.constexpr = IN_BS // 8
@@ -416,7 +454,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             a5 = tl.fma(c5, s, a5)
             a6 = tl.fma(c6, s, a6)
             a7 = tl.fma(c7, s, a7)
-        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN:
+        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN and not STOCHASTIC:
             # Requantize without leaving the nibble-major layout.
             m = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1), propagate_nan=_ALL),
                                       tl.maximum(tl.abs(a2), tl.abs(a3), propagate_nan=_ALL),
@@ -439,7 +477,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7)
             _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr,
                            nbytes_out, nblocks_out, OUT_BITS, OUT_QMAX_F, OUT_BS, TILE, EVEN,
-                           INTERPRET, FAST)
+                           INTERPRET, FAST, keys_ptr, STOCHASTIC)
 
 
 def _interpreting() -> bool:
@@ -489,7 +527,16 @@ def _kernel_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
     return data.view(torch.int32)
 
 
-def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tuning):
+def _keys_arg(keys, rows: int, device, fallback: torch.Tensor):
+    """(pointer argument, STOCHASTIC) for optional row keys; without keys a placeholder
+    tensor is passed (never read)."""
+    if keys is None:
+        return fallback, False
+    return check_keys(keys, rows).to(device).contiguous(), True
+
+
+def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tuning,
+                     row_keys=None):
     nbytes, nblocks = quantized_sizes(n, bits, block_size)
     data = torch.empty(rows, nbytes, dtype=_code_dtype(bits), device=src.device)
     scales = torch.empty(rows, nblocks, dtype=torch.float32, device=src.device)
@@ -498,18 +545,21 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
     _check_row_length(n)
     tile, num_warps, fast = _config("quantize", block_size, tuning)
     grid, rows_first = _grid(rows, -(-n // tile))
+    keys, stochastic = _keys_arg(row_keys, rows, src.device, scales)
     _quantize_rows_kernel[grid](
-        src, _kernel_codes(data, bits), scales, n, nbytes, nblocks, NODES=nodes,
+        src, _kernel_codes(data, bits), scales, keys, n, nbytes, nblocks, NODES=nodes,
         RANKS_PER_NODE=ranks_per_node, SWIZZLE=swizzle, ROWS_FIRST=rows_first, BITS=bits,
         QMAX_F=float(QMAX[bits]), BS=block_size, G=tile // block_size, EVEN=n % tile == 0,
-        FAST=fast, INTERPRET=_interpreting(), num_warps=num_warps, enable_fp_fusion=False,
+        FAST=fast, INTERPRET=_interpreting(), STOCHASTIC=stochastic, num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return data, scales
 
 
 def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
+                    row_keys: Optional[torch.Tensor] = None,
                     **tuning) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`.reference.quantize_chunks`.
+    """Triton :func:`.reference.quantize_chunks` (``row_keys``: stochastic rounding).
 
     ``tuning`` (benchmarks only): ``tile`` (elements per program), ``num_warps``, ``fast``.
     """
@@ -518,16 +568,18 @@ def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(x2d.shape)}")
     check_float_dtype(x2d.dtype, "input")
     rows, n = x2d.shape
-    return _launch_quantize(x2d.contiguous(), rows, n, bits, block_size, 1, 1, False, tuning)
+    return _launch_quantize(x2d.contiguous(), rows, n, bits, block_size, 1, 1, False, tuning,
+                            row_keys)
 
 
 def swizzled_quantize(x_flat: torch.Tensor, nodes: int, ranks_per_node: int, bits: int,
-                      block_size: int, **tuning) -> Tuple[torch.Tensor, torch.Tensor]:
+                      block_size: int, row_keys: Optional[torch.Tensor] = None,
+                      **tuning) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`.qgz_reference.swizzled_quantize`: reorder and quantize in one pass."""
     check_bits_and_block_size(bits, block_size)
     chunk = check_swizzle_input(x_flat, nodes, ranks_per_node)
     return _launch_quantize(x_flat.contiguous(), nodes * ranks_per_node, chunk, bits, block_size,
-                            nodes, ranks_per_node, True, tuning)
+                            nodes, ranks_per_node, True, tuning, row_keys)
 
 
 def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
@@ -554,9 +606,11 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
 def dequantize_reduce(
     data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
     out_bits: Optional[int] = None, out_block_size: Optional[int] = None,
-    out_dtype: torch.dtype = torch.float32, **tuning,
+    out_dtype: torch.dtype = torch.float32, out_row_keys: Optional[torch.Tensor] = None,
+    **tuning,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Triton :func:`.qgz_reference.dequantize_reduce`: one pass, fp32 sums in piece order."""
+    """Triton :func:`.qgz_reference.dequantize_reduce`: one pass, fp32 sums in piece order
+    (``out_row_keys``: stochastic requantization)."""
     out_block_size = check_reduce_input(data, scales, bits, block_size, numel, out_bits,
                                         out_block_size, out_dtype)
     pieces, rows, nbytes_in = data.shape
@@ -576,14 +630,16 @@ def dequantize_reduce(
         kind = "reduce_cast" if out_bits is None else "reduce"
         tile, num_warps, fast = _config(kind, max(block_size, out_block_size), tuning)
         grid, rows_first = _grid(rows, -(-numel // tile))
+        keys, stochastic = _keys_arg(out_row_keys if out_bits else None, rows, device,
+                                     out_scales)
         _dequantize_reduce_kernel[grid](
             _kernel_codes(data, bits), scales.contiguous(),
             out_data if out_bits is None else _kernel_codes(out_data, out_bits), out_scales, out,
-            rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, _FLIP_BITS,
+            keys, rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, _FLIP_BITS,
             _MAGIC23_BITS, ROWS_FIRST=rows_first, P=pieces, IN_BITS=bits, IN_BS=block_size,
             OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
             TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
-            num_warps=num_warps, enable_fp_fusion=False,
+            STOCHASTIC=stochastic, num_warps=num_warps, enable_fp_fusion=False,
         )
     if out_bits is None:
         return out

@@ -33,12 +33,31 @@ class ZeroPPConfig:
     topology). A smaller value must divide that (more memory, still intra-node)."""
     qgz: bool = False
     """Reduce gradients with the quantized 2-hop all-to-all instead of a reduce-scatter."""
-    qgz_intra_bits: int = 4
-    """Bits per gradient on qgZ's intra-node hop (4 or 8)."""
+    qgz_intra_bits: int = 8
+    """Bits per gradient on qgZ's intra-node hop (4 or 8). INT8 by default, as SDP4Bit: the
+    intra-node hop runs only when a node holds more than one DP rank, over the fast links, so
+    its bytes cost little and halving its error is cheap; the cross-node hop stays INT4."""
     qgz_inter_bits: int = 4
     """Bits per gradient on qgZ's inter-node hop (4 or 8)."""
     qgz_block_size: int = 128
     """Gradients per qgZ scale (a power of two in [32, 4096])."""
+    small_param_threshold: int = 100_000
+    """Parameters with fewer elements than this (LayerNorms, biases) travel exactly: 16-bit in
+    the qwZ gather, unquantized (the gradient dtype on hop 1, fp32 partial sums on hop 2) in
+    the qgZ reduction. Larger ones are quantized in blocks that never span two parameters.
+    DeepSpeed's ``stage3_param_persistence_threshold`` default (1e5) likewise keeps such
+    parameters out of its partitioning. 0 = quantize every parameter."""
+    qgz_stochastic_rounding: bool = False
+    """Round qgZ's quantizations (both hops) stochastically instead of to nearest: unbiased
+    (round-to-nearest INT4 zeroes every value below half its block's scale). Random numbers
+    from a counter-based hash of (``rounding_seed``, iteration, reduction of the iteration,
+    DP rank, bucket): a rerun is bit-identical (:mod:`megatron_zeropp.quant.rounding`)."""
+    qwz_stochastic_rounding: bool = False
+    """Round qwZ's weight quantization stochastically, keyed by (``rounding_seed``, weight
+    version, DP rank, bucket): every gather of a step (forward, backward, micro-batches) sees
+    the same bits, each step new ones."""
+    rounding_seed: int = 1234
+    """Seed of the stochastic rounding (the same on every rank)."""
     qgz_fraction: float = 1.0
     """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
     reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
@@ -51,7 +70,9 @@ class ZeroPPConfig:
     """Error feedback for qgZ: each rank keeps, per bucket, the fp32 residual of what it
     quantized (hop 1's input, and hop 2's requantized node partials) and adds it to the next
     step's input at the same place (:mod:`megatron_zeropp.comm.qgz_feedback`). Costs 4 bytes per
-    gradient element per rank (plus 4K/Z for hop 2). Needs ``qgz``."""
+    quantized gradient element per rank (plus 4K/Z for hop 2). Non-finite entries (an fp16
+    overflow step) are dropped; when qgZ switches off (``qgz_fraction``) the residual is added
+    to the next exact reduction. Needs ``qgz``."""
     qgz_hadamard: bool = False
     """Rotate every qgZ block by a randomized Hadamard transform before quantizing
     (:mod:`megatron_zeropp.quant.hadamard`): outliers spread over their block, so INT4 scales
@@ -72,7 +93,8 @@ class ZeroPPConfig:
     chunk is one unit (megatron-core's own buffer layout; useful for exact comparisons)."""
 
     def __post_init__(self):
-        for name in ("qwz", "hpz", "qgz", "shard_grads", "qgz_error_feedback", "qgz_hadamard"):
+        for name in ("qwz", "hpz", "qgz", "shard_grads", "qgz_error_feedback", "qgz_hadamard",
+                     "qgz_stochastic_rounding", "qwz_stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("qwz_bits", "qgz_intra_bits", "qgz_inter_bits"):
@@ -109,6 +131,16 @@ class ZeroPPConfig:
             raise ValueError(
                 f"qgz_hadamard_seed must be an int >= 0, got {self.qgz_hadamard_seed!r}"
             )
+        if self.qgz_stochastic_rounding and not self.qgz:
+            raise ValueError("qgz_stochastic_rounding=True needs qgZ, which is off (qgz=False)")
+        if self.qwz_stochastic_rounding and not self.qwz:
+            raise ValueError("qwz_stochastic_rounding=True needs qwZ, which is off (qwz=False)")
+        seed = self.rounding_seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"rounding_seed must be an int >= 0, got {seed!r}")
+        t = self.small_param_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"small_param_threshold must be an int >= 0, got {t!r}")
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}")
         if self.unit not in _UNITS:
@@ -118,13 +150,15 @@ class ZeroPPConfig:
         """Short human summary for logs."""
         parts = []
         if self.qwz:
-            parts.append(f"qwZ INT{self.qwz_bits}/{self.qwz_block_size}")
+            sr = " stochastic" if self.qwz_stochastic_rounding else ""
+            parts.append(f"qwZ INT{self.qwz_bits}/{self.qwz_block_size}{sr}")
         if self.hpz:
             size = "node" if self.hpz_partition_size is None else self.hpz_partition_size
             parts.append(f"hpZ({size})")
         if self.qgz:
             frac = "" if self.qgz_fraction == 1.0 else f" first {self.qgz_fraction:.0%}"
             extras = " + Hadamard" if self.qgz_hadamard else ""
+            extras += " + stochastic rounding" if self.qgz_stochastic_rounding else ""
             extras += " + error feedback" if self.qgz_error_feedback else ""
             parts.append(
                 f"qgZ INT{self.qgz_intra_bits}/INT{self.qgz_inter_bits}/{self.qgz_block_size}{frac}"

@@ -488,10 +488,10 @@ class ZeroPPDataParallel(BaseDataParallel):
     def set_training_progress(self, iteration: int, train_iters: int) -> None:
         """Tell the layer where training is, for the qgZ schedule (``qgz_fraction``)."""
         cutoff = self.zeropp.qgz_fraction * train_iters
+        # When qgZ switches off, error-feedback residuals are flushed into the next exact
+        # reduction of their bucket (ShardComm.reduce_gradients), not dropped.
         self.comm.qgz_active = self.zeropp.qgz and iteration < cutoff
-        if not self.comm.qgz_active:
-            for unit in self.units:
-                unit.drop_qgz_residuals()
+        self.comm.iteration = iteration  # keys qgZ's stochastic rounding
         interval = self.zeropp.qgz_error_interval
         # Iteration numbers in the log are 1-based: ``iteration`` here is the one about to run.
         n = iteration + 1

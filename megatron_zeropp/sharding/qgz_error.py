@@ -10,8 +10,9 @@ With ``shard_grads`` a unit is reduced once per micro-batch; the sums then run o
 micro-batches too, so a unit's figure is the norm-weighted aggregate of the step's reductions
 (a micro-batch with larger gradients weighs more), not the last micro-batch's.
 
-The extra all-reduce is issued inside the same protocol call as the qgZ reduction it checks (so
-it keeps program order on every rank) with raw ``torch.distributed``, outside the byte counters:
+The extra all-reduce is issued inside the same protocol call as the qgZ reduction it checks, and
+the report's all-reduce through the same comm lane (so both keep program order on every
+rank), with raw ``torch.distributed``, outside the byte counters:
 the modelled and handed inter-node bytes per iteration do not include it. The qgZ result used
 for the update is the one the call would produce without the diagnostic (only made synchronous
 within its lane, which changes timing, not values).
@@ -24,6 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_zeropp.comm.work import run_protocol
 
 
 def exact_chunk(input: torch.Tensor, group, dp_rank: int, chunk_numel: int) -> torch.Tensor:
@@ -76,7 +79,11 @@ class QgzErrorMeter:
         if not keys:
             return None
         sums = torch.stack([self._sums[k] for k in keys])  # (U, 2)
-        dist.all_reduce(sums, group=group)
+        # Through the comm lane, not a raw all-reduce from this thread: on CPU the next step's
+        # prefetch gathers may still be queued on the comm thread, and a collective issued
+        # here would overtake them on some ranks and not others (a hang).
+        run_protocol(lambda: dist.all_reduce(sums, group=group), False, "qgz_error_report",
+                     sums.device, lane="reduce")
         values = sums.cpu().tolist()
         self.reset()
         units = {k: _ratio(err, ref) for k, (err, ref) in zip(keys, values)}

@@ -39,11 +39,14 @@ from megatron_zeropp.comm import (
     SecondaryWeights,
     StaleSecondaryError,
     qgz_reduce_scatter,
+    qgz_residual_input,
     qwz_all_gather,
     zero3_all_gather,
     zero3_reduce_scatter,
 )
+from megatron_zeropp.comm.segments import param_segments
 from megatron_zeropp.comm.work import run_protocol
+from megatron_zeropp.quant.rounding import derive_key
 
 from .config import ZeroPPConfig
 from .qgz_error import QgzErrorMeter, exact_chunk
@@ -73,6 +76,33 @@ class ShardComm:
         self.qgz_error = QgzErrorMeter() if config.qgz_error_interval else None
         self.measure_qgz_error = False
         self._stale_flags: Dict[torch.device, torch.Tensor] = {}
+        # Stochastic rounding keys: buckets numbered in construction order (the same on every
+        # rank of the DP group), reductions counted per bucket within an iteration.
+        self.iteration = 0
+        self._buckets = 0
+        self._reductions: Dict[int, int] = {}
+        self._reductions_iteration = 0
+
+    def register_bucket(self) -> int:
+        """A new bucket's id for the stochastic rounding keys."""
+        self._buckets += 1
+        return self._buckets - 1
+
+    def _qwz_key(self, bucket_id: Optional[int], version: Optional[int]) -> Optional[int]:
+        if not self.config.qwz_stochastic_rounding or bucket_id is None:
+            return None
+        # The weight version, not a call count: every gather of a step gets the same bits.
+        return derive_key(self.config.rounding_seed, 0, version or 0, self.dp_rank, bucket_id)
+
+    def _qgz_key(self, bucket_id: Optional[int]) -> Optional[int]:
+        if not self.config.qgz_stochastic_rounding or bucket_id is None:
+            return None
+        if self._reductions_iteration != self.iteration:
+            self._reductions, self._reductions_iteration = {}, self.iteration
+        count = self._reductions.get(bucket_id, 0)  # several with shard_grads (micro-batches)
+        self._reductions[bucket_id] = count + 1
+        return derive_key(self.config.rounding_seed, 1, self.iteration, count, self.dp_rank,
+                          bucket_id)
 
     def stale_flag(self, device: torch.device) -> torch.Tensor:
         """The device-side flag hpZ reads set when a secondary was stale (checked once a step)."""
@@ -93,42 +123,68 @@ class ShardComm:
                     "group did not hold: the gradients of this step are not to be trusted"
                 )
 
-    def gather_weights(self, output, shard, phase: str, async_op: bool):
+    def gather_weights(self, output, shard, phase: str, async_op: bool, segments=None,
+                       bucket_id: Optional[int] = None, version: Optional[int] = None):
         """All-gather a bucket's primary shards (qwZ or plain; plain and uncounted for
-        ``phase="exact"``, used for checkpoints and ``state_dict``)."""
+        ``phase="exact"``, used for checkpoints and ``state_dict``). ``segments``: the bucket's
+        parameters (:func:`~megatron_zeropp.comm.segments.param_segments`), so qwZ blocks
+        stay inside one parameter and small ones travel exactly; ``bucket_id`` and the weight
+        ``version`` key the stochastic rounding (when on)."""
         if phase == "exact":
             return zero3_all_gather(output, shard, self.dp_group, async_op)
         if self.config.qwz:
             return qwz_all_gather(
                 output, shard, self.dp_group, async_op,
                 bits=self.config.qwz_bits, block_size=self.config.qwz_block_size,
-                stats=self.stats[phase],
+                stats=self.stats[phase], segments=segments,
+                rounding_key=self._qwz_key(bucket_id, version),
             )
         return zero3_all_gather(output, shard, self.dp_group, async_op, stats=self.stats[phase])
 
     def reduce_gradients(self, output, input, async_op: bool, key: Optional[str] = None,
-                         residual: Optional[QgzResidual] = None):
+                         residual: Optional[QgzResidual] = None, segments=None,
+                         bucket_id: Optional[int] = None):
         """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them). ``key``
         names the unit for the qgZ error diagnostic; ``residual`` is the bucket's qgZ error
-        feedback state (unused while qgZ is off)."""
+        feedback state; ``segments`` its parameters; ``bucket_id`` keys the stochastic
+        rounding (all unused while qgZ is off)."""
         if self.qgz_active:
+            rounding = self._qgz_key(bucket_id)
             if self.measure_qgz_error and key is not None:
-                return self._measured_qgz(output, input, async_op, key, residual)
-            return self._qgz(output, input, async_op, residual)
+                return self._measured_qgz(output, input, async_op, key, residual, segments,
+                                          rounding)
+            return self._qgz(output, input, async_op, residual, segments, rounding)
+        if residual is not None:
+            self._flush_residual(input, residual, segments)
         return zero3_reduce_scatter(
             output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
         )
 
-    def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None):
+    def _flush_residual(self, input, residual: QgzResidual, segments) -> None:
+        """qgZ is off now: add what error feedback still carries to this (exact) reduction's
+        input, once, instead of dropping it (the sum over ranks then delivers it in full)."""
+        carried = qgz_residual_input(
+            residual, input.numel(), self.groups.intra_node, self.groups.inter_node,
+            block_size=self.config.qgz_block_size, segments=segments,
+            hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
+        )
+        if carried is not None:
+            input.view(-1).add_(carried.to(input.dtype))
+        residual.reset()
+
+    def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None,
+             segments=None, rounding_key: Optional[int] = None):
         return qgz_reduce_scatter(
             output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
             bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
             block_size=self.config.qgz_block_size, stats=self.stats["grad"], residual=residual,
             hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
+            segments=segments, rounding_key=rounding_key,
         )
 
     def _measured_qgz(self, output, input, async_op: bool, key: str,
-                      residual: Optional[QgzResidual] = None):
+                      residual: Optional[QgzResidual] = None, segments=None,
+                      rounding_key: Optional[int] = None):
         """The qgZ reduction plus the diagnostic's exact fp32 reduction of the same input, in
         one call on the reduction lane (the exact copy is taken first: ``output`` may be a view
         of ``input``)."""
@@ -136,7 +192,7 @@ class ShardComm:
 
         def body():
             exact = exact_chunk(input, group, rank, output.numel())
-            self._qgz(output, input, False, residual)
+            self._qgz(output, input, False, residual, segments, rounding_key)
             meter.add(key, output, exact)
 
         return run_protocol(body, async_op, "qgz_error_probe", input.device, lane="reduce",
@@ -144,7 +200,8 @@ class ShardComm:
 
     def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool,
                               key: Optional[str] = None,
-                              residual: Optional[QgzResidual] = None):
+                              residual: Optional[QgzResidual] = None, segments=None,
+                              bucket_id: Optional[int] = None):
         """Reduce-scatter ``full`` and add this rank's chunk, in fp32, into ``shard``.
 
         One call on the reduction lane (the temporary chunk lives and dies there); ``full`` is
@@ -158,10 +215,26 @@ class ShardComm:
 
             def body():
                 chunk = torch.empty(shard.numel(), dtype=out_dtype, device=full.device)
-                self.reduce_gradients(chunk, full, async_op=False, key=key, residual=residual)
+                self.reduce_gradients(chunk, full, async_op=False, key=key, residual=residual,
+                                      segments=segments, bucket_id=bucket_id)
                 shard.add_(chunk)
 
         return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
+
+
+def bucket_segments(buffers, exact_below: int) -> List[tuple]:
+    """Per bucket of ``buffers`` (in order), its parameters as ``(start, end, exact)`` segments
+    (:func:`~megatron_zeropp.comm.segments.param_segments`), from megatron-core's
+    ``param_index_map`` (buffer coordinates) and each bucket's ``offset``."""
+    out = []
+    for buf in buffers:
+        ranges: Dict[int, list] = {i: [] for i in range(len(buf.buckets))}
+        for start, end, bucket_id in buf.param_index_map.values():
+            off = buf.buckets[bucket_id].offset
+            ranges[bucket_id].append((start - off, end - off))
+        for i, bucket in enumerate(buf.buckets):
+            out.append(param_segments(ranges[i], bucket.param_data.numel(), exact_below))
+    return out
 
 
 class UnitState(enum.Enum):
@@ -198,6 +271,10 @@ class ShardedUnit:
                 comm.groups.hpz, [b.param_data for b in self.buckets]
             )
         self._nbytes = [buf.param_data.untyped_storage().nbytes() for buf in buffers]
+        # Each bucket's parameters as segments: qwZ and qgZ blocks never span two of them, and
+        # those below the threshold travel exactly. Param and grad buckets share the layout.
+        self.segments = bucket_segments(buffers, comm.config.small_param_threshold)
+        self.bucket_ids = [comm.register_bucket() for _ in self.buckets]
         self.shard_grads = comm.config.shard_grads
         self.grad_shards: List[torch.Tensor] = []
         if self.shard_grads:
@@ -250,7 +327,8 @@ class ShardedUnit:
         return self._qgz_residuals[bucket_index]
 
     def drop_qgz_residuals(self) -> None:
-        """Forget the qgZ residuals (qgZ switched off, other weights loaded)."""
+        """Forget the qgZ residuals (other weights loaded; when qgZ switches off they are
+        flushed into the next exact reduction instead, :meth:`ShardComm.reduce_gradients`)."""
         if self._qgz_residuals is None:
             return
         self.finish_grad_reduce()  # a reduction in flight may still write them
@@ -297,8 +375,10 @@ class ShardedUnit:
                 self.comm.stats[phase],
             )
         else:
-            handles = [self.comm.gather_weights(out, shard, phase, async_op)
-                       for out, shard in zip(outputs, self.shards)]
+            handles = [self.comm.gather_weights(out, shard, phase, async_op, segments, bid,
+                                                version)
+                       for out, shard, segments, bid in zip(outputs, self.shards, self.segments,
+                                                            self.bucket_ids)]
             self._handles = [h for h in handles if h is not None]
         self._refresh_after_wait = sec is not None and not from_secondary and phase != "exact"
         self.state = UnitState.GATHERING
@@ -443,7 +523,8 @@ class ShardedUnit:
             n = bucket.grad_data.numel() // z
             handle = self.comm.reduce_gradients(
                 bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op,
-                key=self.name, residual=self.qgz_residual(i))
+                key=self.name, residual=self.qgz_residual(i), segments=self.segments[i],
+                bucket_id=self.bucket_ids[i])
             if handle is not None:
                 handles.append(handle)
         self._grad_handle = handles or None
@@ -457,7 +538,8 @@ class ShardedUnit:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
             handles.append(self.comm.reduce_and_accumulate(
-                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i)))
+                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i),
+                segments=self.segments[i], bucket_id=self.bucket_ids[i]))
         self._grads_live = False
         handles = [h for h in handles if h is not None]
         on_cuda = self.buckets[0].grad_data.device.type == "cuda"

@@ -157,9 +157,24 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-hpz", action="store_true", help="node-local secondary weights")
     g.add_argument("--zeropp-hpz-partition-size", type=int, default=None)
     g.add_argument("--zeropp-qgz", action="store_true", help="quantized 2-hop gradient reduction")
-    g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=4)
+    g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=8,
+                   help="qgZ intra-node hop width (runs only with several DP ranks per node; "
+                   "INT8 by default, the inter-node hop INT4)")
     g.add_argument("--zeropp-qgz-inter-bits", type=int, choices=(4, 8), default=4)
     g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
+    g.add_argument("--zeropp-qgz-stochastic-rounding", action="store_true",
+                   help="round qgZ's quantizations (both hops) stochastically (unbiased); "
+                   "random numbers from --zeropp-rounding-seed, the iteration, the DP rank and "
+                   "the bucket, so reruns are bit-identical")
+    g.add_argument("--zeropp-qwz-stochastic-rounding", action="store_true",
+                   help="round qwZ's weight quantization stochastically (the same bits for "
+                   "every gather of a step)")
+    g.add_argument("--zeropp-rounding-seed", type=int, default=1234,
+                   help="seed of the stochastic rounding")
+    g.add_argument("--zeropp-small-param-threshold", type=int, default=100_000,
+                   help="parameters with fewer elements (norms, biases) travel exactly in the "
+                   "qwZ gather and the qgZ reduction; larger ones are quantized in blocks that "
+                   "never span two parameters. 0 = quantize every parameter")
     g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
                    help="use qgZ for the first fraction of --train-iters only")
     g.add_argument("--zeropp-qgz-hadamard", action="store_true",
@@ -355,6 +370,10 @@ def zeropp_config(args):
         qgz_error_interval=args.zeropp_qgz_error_interval,
         qgz_error_feedback=args.zeropp_qgz_error_feedback,
         qgz_hadamard=args.zeropp_qgz_hadamard,
+        small_param_threshold=args.zeropp_small_param_threshold,
+        qgz_stochastic_rounding=args.zeropp_qgz_stochastic_rounding,
+        qwz_stochastic_rounding=args.zeropp_qwz_stochastic_rounding,
+        rounding_seed=args.zeropp_rounding_seed,
     )
 
 
