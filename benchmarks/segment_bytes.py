@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_zeropp.comm.accounting import CommStats  # noqa: E402
-from megatron_zeropp.comm.qgz import _record, qgz_plan  # noqa: E402
+from megatron_zeropp.comm.qgz import qgz_plan, record_plan_bytes  # noqa: E402
 from megatron_zeropp.comm.segments import layout_for, param_segments  # noqa: E402
 from megatron_zeropp.quant import quantized_sizes  # noqa: E402
 
@@ -55,7 +55,8 @@ def bytes_sent(segs, k: int, n: int, numel: int, grad_itemsize: int):
             s.record_all_to_all("qwz", list(range(z)), d, 2 * lq.exact_elements(d))
         qwz += s.step().total()
         s = CommStats(ranks_per_node=n)
-        _record(s, plan, [kk * n + i for i in range(n)], [i * n + j for i in range(k)], d, j)
+        record_plan_bytes(
+            s, plan, [kk * n + i for i in range(n)], [i * n + j for i in range(k)], d, j)
         counts = s.step()
         hop1 += counts.total(locality="intra")
         hop2 += counts.total(locality="inter")

@@ -71,11 +71,11 @@ def private_uses(source: str, private: set, own: set):
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and "mcore" in (node.module or "").split("."):
             hits += [(node.lineno, a.name) for a in node.names if a.name in VERSION_SWITCHES]
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
-            parts = (node.module or "").split(".")
-            for part in parts:
+        module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
+        if module == "megatron" or module.startswith("megatron."):
+            for part in module.split("."):
                 if part.startswith("_") and not part.startswith("__"):
-                    hits.append((node.lineno, node.module))
+                    hits.append((node.lineno, module))
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
                     hits.append((node.lineno, alias.name))

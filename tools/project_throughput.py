@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 from megatron_zeropp.comm import CommStats, StepCounts, qgz_plan  # noqa: E402
-from megatron_zeropp.comm.qgz import _record as record_qgz  # noqa: E402
+from megatron_zeropp.comm.qgz import record_plan_bytes as record_qgz  # noqa: E402
 from megatron_zeropp.comm.segments import layout_for  # noqa: E402
 from megatron_zeropp.quant import quantized_sizes  # noqa: E402
 from megatron_zeropp.sharding import ZeroPPConfig  # noqa: E402

@@ -250,7 +250,7 @@ def qgz_reduce_scatter(
     if residual is not None and not isinstance(residual, QgzResidual):
         raise ValueError(f"residual must be a QgzResidual or None, got {type(residual).__name__}")
     if stats is not None:
-        _record(stats, plan, intra_ranks, inter_ranks, me, intra_ranks.index(me))
+        record_plan_bytes(stats, plan, intra_ranks, inter_ranks, me, intra_ranks.index(me))
 
     def body():
         token = _ROUNDING_KEY.set(rounding_key)
@@ -307,7 +307,7 @@ def qgz_residual_input(residual: QgzResidual, numel: int, intra_node_group, inte
     return out[:numel]
 
 
-def _record(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me, j) -> None:
+def record_plan_bytes(stats: CommStats, plan: QgzPlan, intra_ranks, inter_ranks, me, j) -> None:
     stats.count_call(REDUCE_SCATTER)
     K, N, e = plan.nodes, plan.ranks_per_node, plan.exact_per_chunk
     if plan.runs_intra_hop:
