@@ -1,0 +1,121 @@
+"""Stochastic rounding in the Triton kernels on one GPU: bit-identity with the reference at full
+size, and bandwidth beside round-to-nearest, in one run.
+
+Launch (on a CUDA machine; megatron-core is not needed)::
+
+    PYTHONPATH=$PWD python benchmarks/bench_rounding.py --json out.json
+
+For bf16 inputs of ``--numel`` elements, each kernel qgZ and qwZ use, with round-to-nearest and
+with stochastic rounding (keys from :mod:`megatron_zeropp.quant.rounding`, one per row): INT8
+quantize (qwZ), INT4 swizzled quantize 2x4 (qgZ hop 1), INT4 dequantize-reduce-requantize
+(8 -> 1, qgZ's requantization after hop 1). Every stochastic output is compared bit for bit with
+the reference run on the same GPU; GB/s counts the bytes each kernel must read and write (as
+``bench_kernels.py``), and the last column is the fraction of the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_kernels  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    BS,
+    assert_same,
+    bench,
+    copy_bandwidth,
+    quant_bytes,
+    random_input,
+)
+
+from megatron_zeropp.quant import qgz_reference as qref  # noqa: E402
+from megatron_zeropp.quant import reference as ref  # noqa: E402
+from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
+from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
+
+
+def run(numel: int) -> dict:
+    copy = copy_bandwidth(2 * numel)
+    rows = []
+
+    def add(name, nbytes, ms, check):
+        gbs = nbytes / ms / 1e6
+        rows.append({"kernel": name, "ms": ms, "GB/s": gbs, "of_copy": gbs / copy,
+                     "check": check})
+        print(f"{name:55s} {ms:8.3f} ms {gbs:8.0f} GB/s {gbs / copy:6.1%}  {check}", flush=True)
+
+    dtype = torch.bfloat16
+    x = random_input(numel, dtype, seed=1)
+    x2d = x.view(1, -1)
+    key = derive_key(1234, 7, 0, 3)
+    device = bench_kernels.DEVICE
+    k1 = row_keys(key, [0], device=device)
+    moved = quant_bytes(numel, 8, 2)
+    add("INT8 quantize, nearest", moved, bench(partial(tk.quantize_chunks, x2d, 8, BS)), "-")
+    assert_same(tk.quantize_chunks(x2d, 8, BS, row_keys=k1),
+                ref.quantize_chunks(x2d, 8, BS, k1), "int8 stochastic")
+    add("INT8 quantize, stochastic", moved,
+        bench(partial(tk.quantize_chunks, x2d, 8, BS, row_keys=k1)), "bit-identical")
+
+    z = 8
+    kz = row_keys(key, range(z), device=device)
+    moved = quant_bytes(numel, 4, 2)
+    add("INT4 swizzled quantize 2x4, nearest", moved,
+        bench(partial(tk.swizzled_quantize, x, 2, 4, 4, BS)), "-")
+    assert_same(tk.swizzled_quantize(x, 2, 4, 4, BS, row_keys=kz),
+                qref.swizzled_quantize(x, 2, 4, 4, BS, kz), "swizzled stochastic")
+    add("INT4 swizzled quantize 2x4, stochastic", moved,
+        bench(partial(tk.swizzled_quantize, x, 2, 4, 4, BS, row_keys=kz)), "bit-identical")
+    del x, x2d
+
+    pieces = 8
+    parts = [tk.quantize_chunks(random_input(numel, dtype, seed=10 + p).view(1, -1), 4, BS)
+             for p in range(pieces)]
+    data = torch.stack([d for d, _ in parts])
+    scales = torch.stack([s for _, s in parts])
+    del parts
+    nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
+    moved = (pieces + 1) * (nbytes + 4 * nblocks)
+    add("INT4 dequant-reduce-requant 8->1, nearest", moved,
+        bench(partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4)), "-")
+    assert_same(tk.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k1),
+                qref.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k1),
+                "drr stochastic")
+    add("INT4 dequant-reduce-requant 8->1, stochastic", moved,
+        bench(partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4, out_row_keys=k1)),
+        "bit-identical")
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
+            "numel": numel, "copy_GB/s": copy,
+            "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=2**28)
+    parser.add_argument("--json", help="write the numbers here")
+    parser.add_argument("--smoke-cpu", action="store_true",
+                        help="test this script on CPU tensors (needs TRITON_INTERPRET=1, tiny "
+                             "--numel); the numbers mean nothing")
+    args = parser.parse_args()
+    if args.smoke_cpu:
+        bench_kernels.DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    out = run(args.numel)
+    print(f"copy bandwidth {out['copy_GB/s']:.0f} GB/s on {out['device']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
