@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import random
 from typing import List, Optional, Tuple
 
@@ -193,14 +194,60 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     state = {"args": stored_args, "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration,
              "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
-    state.update(_model_and_optimizer(model_chunks, optimizer, metadata, save_optim, False))
-    if save_optim and scheduler is not None:
-        state["opt_param_scheduler"] = scheduler.state_dict()
-    if save_rng:
-        state["rng_state"] = _rng_state(_current_rng())
-    tmp = begin_save(root, iteration, overwrite, model_config)
-    dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
+    with adam_state_before_first_step(optimizer if save_optim else None):
+        state.update(_model_and_optimizer(model_chunks, optimizer, metadata, save_optim, False))
+        if save_optim and scheduler is not None:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+        if save_rng:
+            state["rng_state"] = _rng_state(_current_rng())
+        tmp = begin_save(root, iteration, overwrite, model_config)
+        _in_process_write_results()
+        dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
     return commit_save(root, iteration)
+
+
+@contextlib.contextmanager
+def adam_state_before_first_step(optimizer):
+    """Adam's state as its first step would create it, for the parameters that have none yet.
+
+    torch's Adam creates ``step`` = 0 and zero moments lazily, at a parameter's first real step;
+    a save before it (fp16's dynamic loss scale skips the first steps by design; a save at
+    iteration 0) found no state to store (``ValueError: no Adam state`` on the ZeRO layer, a
+    ``KeyError`` inside megatron-core's ``sharded_state_dict``). The zeros stored are exactly the
+    state that step starts from; they are removed after the save, so training goes on as if no
+    save had happened.
+    """
+    added = []
+    for opt in distributed_optimizers(optimizer) if optimizer is not None else ():
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if inner.state.get(p):
+                    continue
+                inner.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                  "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+                added.append((inner, p))
+    try:
+        yield
+    finally:
+        for inner, p in added:
+            inner.state.pop(p, None)
+
+
+def _in_process_write_results() -> None:
+    """Give megatron-core's writer an in-process results queue.
+
+    By default it makes a ``multiprocessing`` manager (a spawned server process, and with it the
+    resource tracker) for a queue that only an *asynchronous* save needs. Every save here is
+    synchronous: the write runs in this process, which both puts and gets the results. The
+    manager, started at the first save, outlived a rank that ended with ``os._exit`` and held the
+    job's stdout open (``torchrun ... | tee log`` never returned).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _load_optimizer_common(opt, common: dict) -> None:
