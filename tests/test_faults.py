@@ -8,9 +8,11 @@ fingerprints afterwards. Liveness is bounded by generous subprocess timeouts, ne
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import uuid
 
 import numpy
 import pytest
@@ -27,15 +29,48 @@ def _model(layers=2):
             f"--tokenizer-type NullTokenizer --vocab-size {VOCAB}").split()
 
 
-def _launch(nproc, argv, fault=None, cwd=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+def _env(fault=None, **extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **extra)
     env.pop("ZEROPP_TEST_FAULT", None)
     if fault:
         env["ZEROPP_TEST_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), ENTRY, *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIMIT_S,
-                          cwd=cwd or ROOT)
+    return env
+
+
+def _torchrun(nproc, argv):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(_free_port()), ENTRY, *argv]
+
+
+def _launch(nproc, argv, fault=None, cwd=None):
+    return subprocess.run(_torchrun(nproc, argv), capture_output=True, text=True,
+                          env=_env(fault), timeout=LIMIT_S, cwd=cwd or ROOT)
+
+
+def _survivors(marker):
+    """Processes (other than zombies) whose environment carries ``marker``: what a job left."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and \
+                    p.environ().get("ZEROPP_TEST_JOB") == marker:
+                out.append((p.pid, " ".join(p.info["cmdline"] or [])[:200]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _launch_behind_tee(nproc, argv, log, fault=None):
+    """``torchrun ... 2>&1 | tee log`` as Megatron-LM's scripts log; returns (run, marker)."""
+    marker = uuid.uuid4().hex
+    line = f"set -o pipefail; {shlex.join(_torchrun(nproc, argv))} 2>&1 | tee {shlex.quote(log)}"
+    # capture_output: run() returns only once every holder of the pipe has closed it, so a
+    # process left behind holding it shows up as the (generous) timeout
+    run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=ROOT,
+                         env=_env(fault, ZEROPP_TEST_JOB=marker), timeout=LIMIT_S)
+    return run, marker
 
 
 def _free_port():
@@ -224,3 +259,18 @@ def test_nan_stops_the_run_before_it_saves(prev):
                   fault="nan:5")
     assert off.returncode == 0, off.stderr[-3000:]
     assert "number of nan iterations:   1" in off.stdout
+
+
+def test_a_failed_job_behind_tee_returns_and_leaves_no_process(prev, tmp_path):
+    copy, before, dirs = prev
+    # A torch_dist save at iteration 6 (megatron-core's writer used to start a manager process
+    # there), then a NaN stop at 7: the pipeline must return and nothing of the job survive.
+    argv = _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"])
+    argv[argv.index("--save") + 1] = str(copy / "other")
+    run, marker = _launch_behind_tee(2, argv, str(tmp_path / "log"), fault="nan:6")
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "> saved checkpoint of iteration 6" in run.stdout
+    lines = [x for x in run.stdout.splitlines() if "iteration 7: the loss is not finite" in x]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), run.stdout[-3000:]
+    assert _survivors(marker) == []
+    assert _fingerprint(*dirs) == before
