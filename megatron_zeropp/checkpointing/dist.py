@@ -175,7 +175,8 @@ def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler, args, num_floating_point_operations_so_far: float = 0,
                     overwrite: bool = False, model_config: Optional[dict] = None,
-                    save_optim: bool = True, save_rng: bool = True) -> str:
+                    save_optim: bool = True, save_rng: bool = True,
+                    checksums: bool = False) -> str:
     """Write a torch_dist checkpoint of this iteration (every rank calls); returns its directory.
 
     ``args`` is stored (with ``consumed_train_samples``, ``data_parallel_size``, ``world_size``
@@ -203,7 +204,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         tmp = begin_save(root, iteration, overwrite, model_config)
         _in_process_write_results()
         dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
-    return commit_save(root, iteration)
+    return commit_save(root, iteration, checksums)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from . import arg_checks, megatron_lm_flags
+from . import arg_checks, megatron_lm_flags, safety_flags
 from .profiling import add_profile_args, validate_profile_args
 
 
@@ -202,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _zeropp_args(p)
     add_profile_args(p)
     megatron_lm_flags.add_args(p)
+    safety_flags.add_args(p)
     return p
 
 
@@ -246,6 +247,10 @@ def validate(args, world_size: int) -> List[str]:
     overrides); raises ValueError naming every bad flag.
     """
     errors, notes = [], []
+    # Values before relations: a zero size would divide below (ZeroDivisionError).
+    bad_values = arg_checks.value_errors(args)
+    if bad_values:
+        raise ValueError("; ".join(bad_values))
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
     if min(tp, pp, cp) < 1 or world_size % (tp * pp * cp):

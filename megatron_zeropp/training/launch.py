@@ -12,6 +12,7 @@ teardown (:mod:`.shutdown`).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -102,14 +103,21 @@ def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None
     exit code 2; a :class:`NonFiniteError` (same on every rank) is one line from rank 0 too, exit
     code 1. Every exit, failed or not, goes through :mod:`.shutdown`.
     """
+    shutdown.install_termination_handler()
     try:
         fn()
+    except shutdown.Terminated as exc:
+        shutdown.begin_exit()
+        print(f"[rank {os.environ.get('RANK', '0')}] stopped by {exc}", file=sys.stderr,
+              flush=True)
+        shutdown.failed_exit(128 + signal.SIGTERM)
     except SystemExit:
         # argparse's exit (before any group) or an explicit one: the usual exit, tidied first
         shutdown.stop_writer_processes()
         shutdown.destroy_process_group(shutdown.FAILED_TEARDOWN_S)
         raise
     except (StartupError, NonFiniteError) as exc:
+        shutdown.begin_exit()
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         else:
@@ -119,6 +127,7 @@ def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None
         sys.stdout.flush()
         shutdown.failed_exit(2 if isinstance(exc, StartupError) else 1)
     except BaseException as exc:  # noqa: BLE001 -- every failure must end the process
+        shutdown.begin_exit()
         rank = os.environ.get("RANK", "0")
         traceback.print_exc()
         print(failure_line(rank, exc), file=sys.stderr, flush=True)

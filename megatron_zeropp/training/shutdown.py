@@ -16,11 +16,41 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 
 FAILED_TEARDOWN_S = 5.0
 """How long a failing rank waits for the process group to be destroyed before it exits anyway:
 a peer may be frozen inside a collective that the destruction would wait for."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stopping the job after another rank failed, an operator's
+    ``kill``, a scheduler): the rank ends through :func:`failed_exit` instead of dying on the
+    spot with its --save lock held. A BaseException, like KeyboardInterrupt: no ``except
+    Exception`` of the training code swallows it."""
+
+
+_exiting = False
+
+
+def _terminate(signum, frame) -> None:
+    if not _exiting:  # already on the way out: let that finish
+        raise Terminated(signal.Signals(signum).name)
+
+
+def install_termination_handler() -> None:
+    """SIGTERM raises :class:`Terminated` in the main thread (the launcher's ranks). Python runs
+    it between bytecodes: a rank blocked in a collective takes it when the collective returns
+    or fails (a dead peer's closed connection fails it at once); torchrun waits 30 s before its
+    SIGKILL. --exit-signal-handler replaces it while training (run_control.SignalExit)."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def begin_exit() -> None:
+    """From here on a SIGTERM no longer interrupts: the rank is already ending."""
+    global _exiting
+    _exiting = True
 
 
 def stop_writer_processes() -> None:
@@ -70,11 +100,22 @@ def _quietly_destroy() -> None:
         pass
 
 
-def failed_exit(code: int) -> None:
-    """End a failing rank now: stop the writer processes, try to destroy the process group for
-    a bounded time, then ``os._exit(code)`` (no interpreter teardown, which would join threads
-    blocked in collectives)."""
+def _release_save_locks() -> None:
     try:
+        from megatron_zeropp.checkpointing import save_lock
+
+        save_lock.release_all()
+    except Exception:  # noqa: BLE001 -- an unreleased lock expires by itself (its lease)
+        pass
+
+
+def failed_exit(code: int) -> None:
+    """End a failing rank now: give back --save's lock, stop the writer processes, try to
+    destroy the process group for a bounded time, then ``os._exit(code)`` (no interpreter
+    teardown, which would join threads blocked in collectives)."""
+    begin_exit()
+    try:
+        _release_save_locks()
         stop_writer_processes()
         destroy_process_group(FAILED_TEARDOWN_S)
     finally:
@@ -84,5 +125,6 @@ def failed_exit(code: int) -> None:
 def clean_exit() -> None:
     """After a run that completed: the writer processes, then the process group, in that order
     (the interpreter's own teardown then has no thread of torch.distributed left to destroy)."""
+    _release_save_locks()
     stop_writer_processes()
     destroy_process_group()
