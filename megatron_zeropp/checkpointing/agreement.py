@@ -45,13 +45,14 @@ def raise_errors(gathered: List[dict]) -> None:
     raise StartupError(f"on {_ranks([failed[0]])} ({gathered[failed[0]]['host']}): {first}{tail}")
 
 
-def check_same(gathered: List[dict], key: str, what: str) -> None:
-    """Raise unless every rank's ``key`` is equal, grouping the ranks by what they see."""
+def check_same(gathered: List[dict], key: str, what: str, show: Optional[str] = None) -> None:
+    """Raise unless every rank's ``key`` is equal, grouping the ranks by what they see
+    (``gathered[r][show]`` in the message, default the value itself)."""
+    if len({repr(g[key]) for g in gathered}) <= 1:
+        return
     groups: Dict[str, List[int]] = {}
     for r, g in enumerate(gathered):
-        groups.setdefault(repr(g[key]) if not isinstance(g[key], str) else g[key], []).append(r)
-    if len(groups) <= 1:
-        return
+        groups.setdefault(str(g[show or key]), []).append(r)
     seen = "; ".join(f"{_ranks(ranks)} ({', '.join(sorted({gathered[r]['host'] for r in ranks}))})"
                      f" see {value}" for value, ranks in groups.items())
     raise StartupError(f"the ranks disagree on {what}: {seen}. Every rank must see the same "

@@ -88,12 +88,13 @@ def new_checkpoint_id() -> str:
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
 
 
-def load_view(load: Optional[str], iteration: Optional[int]) -> str:
-    """What this rank would load, as compared across ranks before loading."""
+def load_view(load: Optional[str], iteration: Optional[int]):
+    """What this rank would load: ``(iteration, checkpoint id)``, compared across ranks before
+    loading (the paths may differ between nodes), and its description for the message."""
     if load is None or iteration is None:
-        return "no checkpoint (start from scratch)"
+        return (None, None), "no checkpoint (start from scratch)"
     ident = checkpoint_id(_iteration_dir(load, iteration)).split(" ")[0]
-    return f"iteration {iteration} of --load {load} (checkpoint id {ident})"
+    return (iteration, ident), f"iteration {iteration} of --load {load} (checkpoint id {ident})"
 
 
 def check_save_writable(save: Optional[str]) -> None:

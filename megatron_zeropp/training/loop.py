@@ -222,10 +222,11 @@ def _startup_checks(args):
 
 def _agree_at_start(args, load_iteration, error) -> None:
     """The first collective: every rank's start-up verdict, then what each would load."""
-    gathered = agreement.gather(error, load=checkpoint_checks.load_view(args.load, load_iteration)
-                                if error is None else None)
+    load, seen = checkpoint_checks.load_view(args.load, load_iteration) if error is None \
+        else (None, None)
+    gathered = agreement.gather(error, load=load, seen=seen)
     agreement.raise_errors(gathered)
-    agreement.check_same(gathered, "load", "the checkpoint to load")
+    agreement.check_same(gathered, "load", "the checkpoint to load", show="seen")
 
 
 def _check_tokenizer(args, tokenizer_args) -> None:
