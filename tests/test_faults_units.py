@@ -180,3 +180,15 @@ def test_every_corrupt_file_is_named(dist_dir, damage, message):
     with pytest.raises(StartupError) as e:
         integrity.check_files(str(dist_dir))
     assert str(target) in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_the_converter_names_itself_in_its_errors(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "tools", "convert_checkpoint.py"),
+                          "--input", str(tmp_path / "nothing"), "--output", str(tmp_path / "o"),
+                          "--to", "torch"], capture_output=True, text=True, timeout=300,
+                         cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"convert_checkpoint.py: error: --input {tmp_path / 'nothing'}: no checkpoint")
+    assert "pretrain_gpt.py" not in run.stderr and "Traceback" not in run.stderr
