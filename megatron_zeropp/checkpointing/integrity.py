@@ -10,7 +10,8 @@
   rank 0 writes ``checksums.json``; at load, whenever that file is present, each rank verifies a
   share again. This finds what sizes cannot (bytes overwritten in place: 64 KiB of garbage in a
   shard loaded silently). It costs one extra read of the whole checkpoint at save and at load,
-  spread over the ranks (SHA-256 runs at roughly 0.5-2 GB/s per core, see the README).
+  spread over the ranks (SHA-256: 254 MiB/s on one shared CPU core of the development machine;
+  the README's table).
 """
 
 from __future__ import annotations
