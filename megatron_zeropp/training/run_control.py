@@ -65,13 +65,13 @@ class ExitClock:
 
 
 class SignalExit:
-    """--exit-signal-handler: SIGTERM or SIGINT asks the loop to save after the current
-    iteration and stop (Megatron-LM's flag; what a Slurm preemption or requeue sends). The
+    """--exit-signal-handler: SIGTERM asks the loop to save after the current iteration and stop
+    (Megatron-LM's flag and default signal; what a Slurm preemption or requeue sends). The
     handler only records the signal: every rank agrees on it (MAX over the world) at the end of
-    each iteration, so all ranks save the same iteration. Without the flag the signals keep
-    their default action (the process ends; see training/shutdown.py for what it leaves)."""
+    each iteration, so all ranks save the same iteration. Without the flag SIGTERM ends the rank
+    through training/shutdown.py."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM,)
 
     def __init__(self, enabled: bool):
         self.enabled = enabled

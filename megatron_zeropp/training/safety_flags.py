@@ -19,8 +19,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
          help="take over --save's lock even though another job seems to hold it (that job is "
               "known to be gone); a dead job's lock expires by itself")
     _add(g, "--exit-signal-handler", action="store_true",
-         help="on SIGTERM or SIGINT, save a checkpoint (with --save) after the current "
-              "iteration, then exit (Megatron-LM's flag)")
+         help="on SIGTERM, save a checkpoint (with --save) after the current iteration, "
+              "then exit (Megatron-LM's flag)")
     _add(g, "--ckpt-checksums", action="store_true",
          help="write a SHA-256 of every checkpoint file at save (checksums.json); loading "
               "verifies them whenever present. Costs one extra read of the checkpoint at save "
