@@ -420,3 +420,17 @@ def test_sigterm_with_exit_signal_handler_saves_then_exits(prev, tmp_path):
     assert open(other / "latest_checkpointed_iteration.txt").read() == str(iteration)
     assert iteration >= 10 and _survivors(marker) == []
     assert _fingerprint(*dirs) == before
+
+
+def test_a_save_directory_that_is_not_shared_is_refused_at_start(prev):
+    copy, before, dirs = prev
+    other, node1 = str(copy / "other"), str(copy / "node1_other")
+    argv = _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"])
+    argv[argv.index("--save") + 1] = other
+    run = _launch(2, argv, env=_on_rank_1(other, node1))
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, "the ranks disagree on the --save directory: rank 0")
+    assert f"rank 1 ({socket.gethostname()}) see no lock in --save {node1}" in run.stderr
+    assert "iteration " not in run.stdout
+    assert not os.path.exists(os.path.join(other, ".save_lock"))  # given back
+    assert _fingerprint(*dirs) == before

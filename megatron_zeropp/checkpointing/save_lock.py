@@ -161,6 +161,16 @@ def check_held(root: str) -> None:
                            f"(lock {path})")
 
 
+def seen(root: str):
+    """``(token, description)`` of the lock in ``root`` as this rank sees it: every rank of a job
+    must see rank 0's (one shared --save directory)."""
+    path = _path(root)
+    info = _read(path) if os.path.exists(path) else None
+    if info is None:
+        return None, f"no lock in --save {root} (not the directory rank 0 writes)"
+    return info.get("token"), f"the lock of {_holder(info)} in --save {root}"
+
+
 def release(root: str) -> None:
     """Give ``root``'s lock back if this process holds it."""
     mine = _held.pop(_key(root), None)

@@ -227,6 +227,12 @@ def _agree_at_start(args, load_iteration, error) -> None:
     gathered = agreement.gather(error, load=load, seen=seen)
     agreement.raise_errors(gathered)
     agreement.check_same(gathered, "load", "the checkpoint to load", show="seen")
+    if args.save is not None:
+        # rank 0 took the lock before the gather above: all must see it now (a node-local
+        # --save would otherwise be found at the first save, after a whole interval)
+        token, seen = save_lock.seen(args.save)
+        agreement.check_same(agreement.gather(None, lock=token, seen=seen), "lock",
+                             "the --save directory", show="seen")
 
 
 def _check_tokenizer(args, tokenizer_args) -> None:
