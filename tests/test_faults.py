@@ -46,8 +46,13 @@ def _torchrun(nproc, argv):
 
 
 def _launch(nproc, argv, fault=None, cwd=None, env=None):
-    return subprocess.run(_torchrun(nproc, argv), capture_output=True, text=True,
-                          env={**_env(fault), **(env or {})}, timeout=LIMIT_S, cwd=cwd or ROOT)
+    """torchrun the job; whatever way it ends, no process of it may be left (checked here)."""
+    marker = uuid.uuid4().hex
+    run = subprocess.run(_torchrun(nproc, argv), capture_output=True, text=True,
+                         env={**_env(fault, ZEROPP_TEST_JOB=marker), **(env or {})},
+                         timeout=LIMIT_S, cwd=cwd or ROOT)
+    assert _survivors(marker) == [], run.stderr[-3000:]
+    return run
 
 
 def _on_rank_1(old, new):

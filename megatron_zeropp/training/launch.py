@@ -117,13 +117,16 @@ def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None
         shutdown.destroy_process_group(shutdown.FAILED_TEARDOWN_S)
         raise
     except (StartupError, NonFiniteError) as exc:
-        shutdown.begin_exit()
         if os.environ.get("RANK", "0") == "0":
+            shutdown.begin_exit()
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         else:
             # The launcher stops every rank when the first one exits; let rank 0, which reached
-            # the same error, print it first (the launcher ends this wait).
-            time.sleep(RANK0_GRACE_S)
+            # the same error, print it first (the launcher's SIGTERM ends this wait).
+            try:
+                time.sleep(RANK0_GRACE_S)
+            except shutdown.Terminated:
+                pass
         sys.stdout.flush()
         shutdown.failed_exit(2 if isinstance(exc, StartupError) else 1)
     except BaseException as exc:  # noqa: BLE001 -- every failure must end the process

@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 
 FAILED_TEARDOWN_S = 5.0
@@ -56,10 +57,9 @@ def begin_exit() -> None:
 def stop_writer_processes() -> None:
     """Shut down megatron-core's writer manager (if one was started) and end every child process
     of this one (forked checkpoint writers of a save cut short)."""
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except Exception:  # noqa: BLE001 -- megatron-core not importable: nothing of it to stop
-        filesystem_async = None
+    # Not imported: nothing of it runs (and importing it would cost a failing rank seconds).
+    filesystem_async = sys.modules.get(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async")
     queue = getattr(filesystem_async, "_results_queue", None)
     manager = getattr(queue, "_manager", None)
     if manager is not None:
