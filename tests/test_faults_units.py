@@ -75,6 +75,8 @@ def test_a_save_that_cannot_be_written_is_found(tmp_path, monkeypatch):
     (tmp_path / "f").write_text("x")
     with pytest.raises(StartupError, match="exists and is not a directory"):
         checks.check_save_writable(str(tmp_path / "f"))
+    with pytest.raises(StartupError, match=f"{tmp_path / 'f'} is not a directory, so"):
+        checks.check_save_writable(str(tmp_path / "f" / "ckpt"))
     real_open = open
 
     def read_only(path, *args, **kwargs):  # root writes through permission bits: mock EROFS
