@@ -4,6 +4,9 @@
 ITER, as a hung kernel or a stopped process would), ``kill:RANK:ITER`` (RANK dies),
 ``kill_save:RANK:ITER`` (RANK dies while writing ITER's checkpoint), ``nan:ITER`` (the
 loss of iteration ITER+1 becomes NaN on every rank). Without it this is pretrain_gpt.py.
+
+``ZEROPP_TEST_RANK_ARGV=RANK`` with ``ZEROPP_TEST_ARGV_FROM`` / ``ZEROPP_TEST_ARGV_TO``: on that
+rank only, the command-line value FROM reads TO (a node-local path that differs between nodes).
 """
 
 import os
@@ -53,4 +56,8 @@ if __name__ == "__main__":
     from megatron_zeropp.training.loop import pretrain
 
     single_process_defaults()
-    run_guarded(lambda: pretrain(sys.argv[1:], on_iteration=_hook()))
+    argv = sys.argv[1:]
+    if os.environ.get("ZEROPP_TEST_RANK_ARGV") == os.environ["RANK"]:
+        old, new = os.environ["ZEROPP_TEST_ARGV_FROM"], os.environ["ZEROPP_TEST_ARGV_TO"]
+        argv = [new if a == old else a for a in argv]
+    run_guarded(lambda: pretrain(argv, on_iteration=_hook()))

@@ -7,10 +7,15 @@ fingerprints afterwards. Liveness is bounded by generous subprocess timeouts, ne
 """
 
 import hashlib
+import json
 import os
+import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import uuid
 
 import numpy
 import pytest
@@ -27,15 +32,60 @@ def _model(layers=2):
             f"--tokenizer-type NullTokenizer --vocab-size {VOCAB}").split()
 
 
-def _launch(nproc, argv, fault=None, cwd=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+def _env(fault=None, **extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **extra)
     env.pop("ZEROPP_TEST_FAULT", None)
     if fault:
         env["ZEROPP_TEST_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), ENTRY, *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIMIT_S,
-                          cwd=cwd or ROOT)
+    return env
+
+
+def _torchrun(nproc, argv):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(_free_port()), ENTRY, *argv]
+
+
+def _launch(nproc, argv, fault=None, cwd=None, env=None):
+    """torchrun the job; whatever way it ends, no process of it may be left (checked here)."""
+    marker = uuid.uuid4().hex
+    run = subprocess.run(_torchrun(nproc, argv), capture_output=True, text=True,
+                         env={**_env(fault, ZEROPP_TEST_JOB=marker), **(env or {})},
+                         timeout=LIMIT_S, cwd=cwd or ROOT)
+    assert _survivors(marker) == [], run.stderr[-3000:]
+    return run
+
+
+def _on_rank_1(old, new):
+    """Environment for fault_entry.py: rank 1 reads ``new`` where the command line says
+    ``old`` (a node-local path)."""
+    return {"ZEROPP_TEST_RANK_ARGV": "1", "ZEROPP_TEST_ARGV_FROM": old,
+            "ZEROPP_TEST_ARGV_TO": new}
+
+
+def _survivors(marker):
+    """Processes (other than zombies) whose environment carries ``marker``: what a job left."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and \
+                    p.environ().get("ZEROPP_TEST_JOB") == marker:
+                out.append((p.pid, " ".join(p.info["cmdline"] or [])[:200]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _launch_behind_tee(nproc, argv, log, fault=None):
+    """``torchrun ... 2>&1 | tee log`` as Megatron-LM's scripts log; returns (run, marker)."""
+    marker = uuid.uuid4().hex
+    line = f"set -o pipefail; {shlex.join(_torchrun(nproc, argv))} 2>&1 | tee {shlex.quote(log)}"
+    # capture_output: run() returns only once every holder of the pipe has closed it, so a
+    # process left behind holding it shows up as the (generous) timeout
+    run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=ROOT,
+                         env=_env(fault, ZEROPP_TEST_JOB=marker), timeout=LIMIT_S)
+    return run, marker
 
 
 def _free_port():
@@ -72,14 +122,14 @@ def _write_data(prefix, top_id):
 
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory):
-    """A finished 2-rank run: data, and checkpoints of iterations 2 and 4."""
+    """A finished 2-rank run: data, and checkpoints of iterations 2 and 4 (with checksums)."""
     base = tmp_path_factory.mktemp("previous")
     data = str(base / "data" / "corpus_text_document")
     os.makedirs(os.path.dirname(data))
     _write_data(data, VOCAB - 1)
     ckpt = str(base / "ckpt")
     run = _launch(2, _model() + ["--train-iters", "4", "--train-data-path", data,
-                                 "--save", ckpt, "--save-interval", "2"])
+                                 "--save", ckpt, "--save-interval", "2", "--ckpt-checksums"])
     assert run.returncode == 0, run.stderr[-3000:]
     assert "iteration        4/       4" in run.stdout
     return base
@@ -224,3 +274,159 @@ def test_nan_stops_the_run_before_it_saves(prev):
                   fault="nan:5")
     assert off.returncode == 0, off.stderr[-3000:]
     assert "number of nan iterations:   1" in off.stdout
+
+
+def test_a_failed_job_behind_tee_returns_and_leaves_no_process(prev, tmp_path):
+    copy, before, dirs = prev
+    # A torch_dist save at iteration 6 (megatron-core's writer used to start a manager process
+    # there), then a NaN stop at 7: the pipeline must return and nothing of the job survive.
+    argv = _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"])
+    argv[argv.index("--save") + 1] = str(copy / "other")
+    run, marker = _launch_behind_tee(2, argv, str(tmp_path / "log"), fault="nan:6")
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "> saved checkpoint of iteration 6" in run.stdout
+    lines = [x for x in run.stdout.splitlines() if "iteration 7: the loss is not finite" in x]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), run.stdout[-3000:]
+    assert _survivors(marker) == []
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_start_up_error_on_rank_1_only_stops_every_rank_with_its_message(prev):
+    copy, before, dirs = prev
+    data = str(copy / "data" / "corpus_text_document")
+    broken = str(copy / "node1" / "corpus_text_document")
+    os.makedirs(os.path.dirname(broken))
+    for ext in (".bin", ".idx"):
+        shutil.copy(data + ext, broken + ext)
+    size = os.path.getsize(broken + ".bin")
+    os.truncate(broken + ".bin", size - 8)
+    run = _launch(2, _resume(copy, 8), env=_on_rank_1(data, broken))
+    assert run.returncode != 0
+    # printed once, by rank 0, naming rank 1 and its file (it used to be printed by no rank)
+    _one_line_from_rank_0(run.stderr, f"on rank 1 ({socket.gethostname()}): data file "
+                                      f"{broken}.bin: has {size - 8} bytes")
+    assert "timed out" not in run.stderr and "iteration " not in run.stdout
+    assert _fingerprint(*dirs) == before
+
+
+def test_ranks_that_would_load_different_checkpoints_are_refused(prev):
+    copy, before, dirs = prev
+    ckpt = str(copy / "ckpt")
+    # node 1's directory holds only iteration 2 (a stale copy)
+    node1 = str(copy / "node1_ckpt")
+    os.makedirs(node1)
+    shutil.copytree(os.path.join(ckpt, "iter_0000002"), os.path.join(node1, "iter_0000002"))
+    with open(os.path.join(node1, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    argv = _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"])
+    argv[argv.index("--save") + 1] = str(copy / "other")
+    run = _launch(2, argv, env=_on_rank_1(ckpt, node1))
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, "the ranks disagree on the checkpoint to load: rank 0")
+    line = next(x for x in run.stderr.splitlines() if "the ranks disagree" in x)
+    assert f"iteration 4 of --load {ckpt}" in line and f"iteration 2 of --load {node1}" in line
+    assert "iteration " not in run.stdout
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_save_directory_held_by_another_job_is_refused(prev):
+    copy, before, dirs = prev
+    lock = copy / "ckpt" / ".save_lock"
+    lock.write_text(json.dumps({"host": "node-17", "pid": 4242, "job": "8812",
+                                "token": "x", "started": "2026-12-01T09:00:00Z"}))
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]))
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, "is in use by another job: host node-17 pid 4242, job 8812")
+    assert "--break-save-lock" in run.stderr and "iteration " not in run.stdout
+    after = _fingerprint(*dirs)
+    assert after.pop(str(lock)) and after == before
+
+
+def test_a_save_that_is_a_file_is_refused_before_training(prev):
+    copy, before, dirs = prev
+    target = copy / "not_a_dir"
+    target.write_text("x")  # (a read-only --save, and one under a file: test_faults_units.py)
+    argv = _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"])
+    argv[argv.index("--save") + 1] = str(target)
+    run = _launch(2, argv)
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, f"--save {target} exists and is not a directory")
+    assert "iteration " not in run.stdout
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_cut_shard_is_named_before_loading(prev):
+    copy, before, dirs = prev
+    it4 = copy / "ckpt" / "iter_0000004"
+    shard = sorted(p for p in os.listdir(it4) if p.endswith(".distcp"))[-1]
+    os.truncate(it4 / shard, os.path.getsize(it4 / shard) // 2)
+    before = _fingerprint(*dirs)
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]))
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, f"checkpoint file {it4 / shard} has ")
+    assert "the file is cut" in run.stderr
+    assert _fingerprint(*dirs) == before
+
+
+def test_checksums_find_garbage_that_sizes_cannot(prev):
+    copy, before, dirs = prev
+    it4 = copy / "ckpt" / "iter_0000004"
+    assert (it4 / "checksums.json").exists()  # the previous run saved with --ckpt-checksums
+    shard = sorted(p for p in os.listdir(it4) if p.endswith(".distcp"))[0]
+    size = os.path.getsize(it4 / shard)
+    with open(it4 / shard, "r+b") as f:  # garbage in place: the size stays right
+        f.seek(size // 4)
+        f.write(os.urandom(min(65536, size // 2)))
+    before = _fingerprint(*dirs)
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]))
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, f"checkpoint file {it4 / shard} does not match its SHA-256")
+    assert "iteration " not in run.stdout
+    assert _fingerprint(*dirs) == before
+
+
+def test_sigterm_with_exit_signal_handler_saves_then_exits(prev, tmp_path):
+    copy, before, dirs = prev
+    other = copy / "other"
+    argv = _resume(copy, 3000, ["--override-opt_param-scheduler", "--exit-signal-handler"])
+    argv[argv.index("--save") + 1] = str(other)
+    argv[argv.index("--save-interval") + 1] = "3000"
+    marker = uuid.uuid4().hex
+    log = str(tmp_path / "log")
+    line = f"{shlex.join(_torchrun(2, argv))} 2>&1 | tee {shlex.quote(log)}"
+    job = subprocess.Popen(["bash", "-c", line], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                           env=_env(ZEROPP_TEST_JOB=marker), start_new_session=True)
+    out = []
+    for text in job.stdout:  # bounded by the iterations, and by LIMIT_S below
+        out.append(text)
+        if "iteration       10/" in text:
+            break
+    import psutil
+
+    torchrun = [p for p in psutil.Process(job.pid).children(recursive=True)
+                if "torch.distributed.run" in " ".join(p.cmdline())]
+    assert len(torchrun) == 1, out[-20:]
+    torchrun[0].send_signal(signal.SIGTERM)  # what a scheduler's preemption sends
+    rest, _ = job.communicate(timeout=LIMIT_S)
+    text = "".join(out) + rest
+    saved = [x for x in text.splitlines() if "> saved checkpoint of iteration" in x]
+    assert len(saved) == 1, text[-3000:]
+    iteration = int(saved[0].split("iteration ")[1].split(" ")[0])
+    assert "on SIGTERM (--exit-signal-handler)" in text
+    assert open(other / "latest_checkpointed_iteration.txt").read() == str(iteration)
+    assert iteration >= 10 and _survivors(marker) == []
+    assert _fingerprint(*dirs) == before
+
+
+def test_a_save_directory_that_is_not_shared_is_refused_at_start(prev):
+    copy, before, dirs = prev
+    other, node1 = str(copy / "other"), str(copy / "node1_other")
+    argv = _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"])
+    argv[argv.index("--save") + 1] = other
+    run = _launch(2, argv, env=_on_rank_1(other, node1))
+    assert run.returncode != 0
+    _one_line_from_rank_0(run.stderr, "the ranks disagree on the --save directory: rank 0")
+    assert f"rank 1 ({socket.gethostname()}) see no lock in --save {node1}" in run.stderr
+    assert "iteration " not in run.stdout
+    assert not os.path.exists(os.path.join(other, ".save_lock"))  # given back
+    assert _fingerprint(*dirs) == before

@@ -17,7 +17,8 @@ SUPPORTED_FLAGS = sorted("""
 --overlap-param-gather --pipeline-model-parallel-size --position-embedding-type --profile
 --profile-dir --profile-ranks --profile-step-end --profile-step-start --ranks-per-node
 --recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
---save --save-interval --load-optional --overwrite-checkpoints
+--save --save-interval --load-optional --overwrite-checkpoints --break-save-lock --ckpt-checksums
+--exit-signal-handler
 --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler
 --no-check-for-nan-in-loss-and-grad --seed --seq-length --sequence-parallel --split --swiglu
 --tensor-model-parallel-size --tensorboard-dir --test-data-path --tokenizer-model

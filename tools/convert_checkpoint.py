@@ -17,7 +17,8 @@ import sys
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="convert_checkpoint.py", allow_abbrev=False,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="checkpoint directory (holds latest_...txt)")
     p.add_argument("--output", required=True, help="directory to write the converted one into")
     p.add_argument("--to", required=True, choices=("torch", "torch_dist"))
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             print(f"> wrote {out} ({args.to})", flush=True)
 
-    run_guarded(run)
+    run_guarded(run, prog="convert_checkpoint.py")
     sys.stdout.flush()
 
 

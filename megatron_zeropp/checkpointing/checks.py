@@ -45,11 +45,84 @@ def latest_iteration(root: str) -> Optional[int]:
     path = os.path.join(root, _LATEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StartupError(f"{path} is unreadable ({type(e).__name__}: {e}): it should hold "
+                           f"the latest iteration number") from None
     if not text.isdigit():
         raise StartupError(f"{path} holds {text!r}, not an iteration number")
     return int(text)
+
+
+CHECKPOINT_ID = "checkpoint_id.txt"
+"""Written into each iteration directory by the saving job (random id, host, pid, time): ranks
+compare it before loading, so two copies of "iteration 4" from different saves are told apart."""
+
+
+def checkpoint_id(directory: str) -> str:
+    """What identifies the checkpoint in ``directory``: its :data:`CHECKPOINT_ID`, or (a
+    checkpoint written elsewhere, e.g. by Megatron-LM) a digest of its file names and sizes."""
+    import hashlib
+
+    path = os.path.join(directory, CHECKPOINT_ID)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    digest = hashlib.sha256()
+    for base, _, files in sorted(os.walk(directory)):
+        for name in sorted(files):
+            full = os.path.join(base, name)
+            digest.update(f"{os.path.relpath(full, directory)}:{os.path.getsize(full)};".encode())
+    return "files " + digest.hexdigest()[:16]
+
+
+def new_checkpoint_id() -> str:
+    """A fresh id for a save: random, plus where and when it was written (for people)."""
+    import socket
+    import time
+    import uuid
+
+    return (f"{uuid.uuid4().hex} host {socket.gethostname()} pid {os.getpid()} "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+
+
+def load_view(load: Optional[str], iteration: Optional[int]):
+    """What this rank would load: ``(iteration, checkpoint id)``, compared across ranks before
+    loading (the paths may differ between nodes), and its description for the message."""
+    if load is None or iteration is None:
+        return (None, None), "no checkpoint (start from scratch)"
+    ident = checkpoint_id(_iteration_dir(load, iteration)).split(" ")[0]
+    return (iteration, ident), f"iteration {iteration} of --load {load} (checkpoint id {ident})"
+
+
+def check_save_writable(save: Optional[str]) -> None:
+    """``--save`` must be a directory this process can create files in (or be creatable): found
+    at start, not after a whole --save-interval of training. Probed by creating and removing a
+    file, which also catches read-only mounts that permission bits do not show."""
+    if save is None:
+        return
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise StartupError(f"--save {save} exists and is not a directory")
+    probe_dir = save
+    while not os.path.exists(probe_dir):
+        parent = os.path.dirname(os.path.abspath(probe_dir))
+        if parent == probe_dir:
+            break
+        probe_dir = parent
+    if not os.path.isdir(probe_dir):
+        raise StartupError(f"--save {save}: {probe_dir} is not a directory, so {save} cannot "
+                           f"be created")
+    probe = os.path.join(probe_dir, f".zeropp_write_probe.{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        what = "" if probe_dir == save else f" ({probe_dir}, where it would be created)"
+        raise StartupError(f"--save {save}: cannot write files in it{what}: "
+                           f"{e.strerror or e}") from None
 
 
 def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,

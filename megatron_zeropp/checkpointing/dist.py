@@ -31,6 +31,7 @@ The save is atomic as in the ``torch`` format (``legacy.begin_save`` / ``commit_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 from typing import List, Optional, Tuple
@@ -43,6 +44,7 @@ from megatron_zeropp.mcore.checkpoint import (
     init_dummy_optimizer_states,
     keeping_adam_steps,
     unshare_adam_steps,
+    use_in_process_write_results,
     write_common_file,
 )
 from megatron_zeropp.optimizer import distributed_optimizers
@@ -171,7 +173,8 @@ def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler, args, num_floating_point_operations_so_far: float = 0,
                     overwrite: bool = False, model_config: Optional[dict] = None,
-                    save_optim: bool = True, save_rng: bool = True) -> str:
+                    save_optim: bool = True, save_rng: bool = True,
+                    checksums: bool = False) -> str:
     """Write a torch_dist checkpoint of this iteration (every rank calls); returns its directory.
 
     ``args`` is stored (with ``consumed_train_samples``, ``data_parallel_size``, ``world_size``
@@ -190,20 +193,51 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     state = {"args": stored_args, "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration,
              "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
-    state.update(_model_and_optimizer(model_chunks, optimizer, metadata, save_optim, False))
-    if save_optim and scheduler is not None:
-        state["opt_param_scheduler"] = scheduler.state_dict()
-    if save_rng:
-        state["rng_state"] = _rng_state(_current_rng())
-    # model_config.json goes in after megatron-core's save: it warns "Overwriting old incomplete
-    # / corrupted checkpoint" about any directory that is not empty when it starts.
-    tmp = begin_save(root, iteration, overwrite)
-    dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
+    with adam_state_before_first_step(optimizer if save_optim else None):
+        state.update(_model_and_optimizer(model_chunks, optimizer, metadata, save_optim, False))
+        if save_optim and scheduler is not None:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+        if save_rng:
+            state["rng_state"] = _rng_state(_current_rng())
+        # model_config.json goes in after megatron-core's save: it warns "Overwriting old
+        # incomplete / corrupted checkpoint" about any directory that is not empty when it starts.
+        tmp = begin_save(root, iteration, overwrite)
+        use_in_process_write_results()
+        dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
     write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16.1 reads only that file
     if model_config is not None and dist.get_rank() == 0:
         checks.write_model_config(tmp, model_config)
     qgz_residuals.save(tmp, model_chunks)
-    return commit_save(root, iteration)
+    return commit_save(root, iteration, checksums)
+
+
+@contextlib.contextmanager
+def adam_state_before_first_step(optimizer):
+    """Adam's state as its first step would create it, for the parameters that have none yet.
+
+    torch's Adam creates ``step`` = 0 and zero moments lazily, at a parameter's first real step;
+    a save before it (fp16's dynamic loss scale skips the first steps by design; a save at
+    iteration 0) found no state to store (``ValueError: no Adam state`` on the ZeRO layer, a
+    ``KeyError`` inside megatron-core's ``sharded_state_dict``). The zeros stored are exactly the
+    state that step starts from; they are removed after the save, so training goes on as if no
+    save had happened.
+    """
+    added = []
+    for opt in distributed_optimizers(optimizer) if optimizer is not None else ():
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if inner.state.get(p):
+                    continue
+                inner.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                  "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+                added.append((inner, p))
+    try:
+        yield
+    finally:
+        for inner, p in added:
+            inner.state.pop(p, None)
 
 
 def read_common(root: str, iteration: int) -> dict:

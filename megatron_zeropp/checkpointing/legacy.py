@@ -132,7 +132,7 @@ def _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler,
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks, optimizer,
                     scheduler=None, extra: Optional[dict] = None, overwrite: bool = False,
                     model_config: Optional[dict] = None, save_optim: bool = True,
-                    save_rng: bool = True) -> str:
+                    save_rng: bool = True, checksums: bool = False) -> str:
     """Write this iteration's checkpoint collectively (every rank calls); returns its directory.
 
     Refuses (on every rank, before any collective) to move ``latest`` back or to replace an
@@ -148,31 +148,76 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
     qgz_residuals.save(tmp, model_chunks)
-    return commit_save(root, iteration)
+    return commit_save(root, iteration, checksums)
 
 
 def begin_save(root: str, iteration: int, overwrite: bool,
                model_config: Optional[dict] = None) -> str:
     """First half of an atomic save (every rank calls, either format): the checks, then rank 0
-    makes a fresh ``iter_XXXXXXX.tmp`` for the ranks to write into; returns its path."""
-    checks.check_save_iteration(root, iteration, overwrite)
+    makes a fresh, empty ``iter_XXXXXXX.tmp`` for the ranks to write into (with
+    ``model_config.json`` when given); returns its path.
+
+    The new checkpoint's id waits beside it (``iter_XXXXXXX.tmp.id``) until :func:`commit_save`
+    moves it in: megatron-core's torch_dist writer warns "Overwriting old incomplete / corrupted
+    checkpoint" about a directory that is not empty when it starts."""
+    from . import agreement, save_lock
+
     tmp = iteration_dir(root, iteration) + ".tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
-        os.makedirs(tmp)
-        if model_config is not None:
-            checks.write_model_config(tmp, model_config)
-    dist.barrier()
+    error = None
+    try:
+        checks.check_save_iteration(root, iteration, overwrite)
+        if dist.get_rank() == 0:
+            save_lock.check_held(root)
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+            os.makedirs(tmp)
+            if model_config is not None:
+                checks.write_model_config(tmp, model_config)
+            with open(tmp + ".id", "w") as f:
+                f.write(checks.new_checkpoint_id() + "\n")
+    except (OSError, RuntimeError, ValueError) as e:
+        error = f"saving iteration {iteration} into {root}: {e}"
+    # Every rank's verdict first: a check that fails on one rank must not leave the others
+    # waiting in the next collective until the timeout.
+    agreement.raise_errors(agreement.gather(error))
+    # Then every rank must see the directory rank 0 just made: the id it wrote names this save.
+    seen = _read_id(tmp)
+    agreement.check_same(agreement.gather(None, id=seen), "id",
+                         f"the checkpoint being saved into {tmp}")
     return tmp
 
 
-def commit_save(root: str, iteration: int) -> str:
+def _read_id(tmp: str) -> str:
+    try:
+        with open(tmp + ".id", encoding="utf-8") as f:
+            return "checkpoint id " + f.read().split(" ")[0]
+    except OSError:
+        return "no such directory"
+
+
+def commit_save(root: str, iteration: int, checksums: bool = False) -> str:
     """Second half (every rank calls once its part is written): rank 0 renames the ``.tmp``
-    directory, then rewrites ``latest_checkpointed_iteration.txt`` (write + rename)."""
+    directory, then rewrites ``latest_checkpointed_iteration.txt`` (write + rename).
+    ``checksums`` (--ckpt-checksums) first writes every file's SHA-256 (``integrity``)."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(tmp + ".id", os.path.join(tmp, checks.CHECKPOINT_ID))
+    if checksums:
+        from .integrity import write_checksums
+
+        dist.barrier()  # every rank's files are complete
+        write_checksums(tmp)
+    from . import agreement, save_lock
+
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            save_lock.check_held(root)  # another job took --save over during this save
+        except RuntimeError as e:
+            error = f"saving iteration {iteration} into {root}: {e}"
+    # (also the barrier: every rank has written its part)
+    agreement.raise_errors(agreement.gather(error))
     if dist.get_rank() == 0:
         if os.path.exists(final):
             shutil.rmtree(final)

@@ -23,6 +23,7 @@ None, in megatron-core's default ``<data prefix>/cache/GPTDataset_indices`` next
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -69,8 +70,9 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
             f"data path {items} mixes weights and prefixes; use 'PREFIX [PREFIX ...]' or "
             "'WEIGHT PREFIX [WEIGHT PREFIX ...]'"
         )
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"blend weights must be >= 0 with a positive sum, got {weights}")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"blend weights must be finite, >= 0, with a positive sum, got "
+                         f"{weights}")
     return prefixes, weights
 
 
@@ -80,9 +82,10 @@ def parse_split(split: str) -> List[float]:
         weights = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         weights = []
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) \
+            or sum(weights) <= 0:
         raise ValueError(
-            f"split must be 1-3 comma-separated weights >= 0 with a positive sum "
+            f"split must be 1-3 comma-separated finite weights >= 0 with a positive sum "
             f"(e.g. 969,30,1), got {split!r}"
         )
     weights += [0.0] * (3 - len(weights))

@@ -82,3 +82,22 @@ def write_common_file(directory: str) -> None:
     path = os.path.join(directory, "common.pt")
     torch.save(common, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+def use_in_process_write_results() -> None:
+    """Give megatron-core's torch_dist writer an in-process results queue (call before each
+    synchronous ``dist_checkpointing.save``).
+
+    By default it makes a ``multiprocessing`` manager (a spawned server process, and with it the
+    resource tracker) for a queue that only an *asynchronous* save needs. Every save here is
+    synchronous: the write runs in this process, which both puts and gets the results. The
+    manager, started at the first save, outlived a rank that ended with ``os._exit`` and held the
+    job's stdout open (``torchrun ... | tee log`` never returned). Checked: 0.16.1, 0.19.1
+    (``filesystem_async._results_queue``, the same module-level variable in both).
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()

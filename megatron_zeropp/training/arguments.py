@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from . import arg_checks, megatron_lm_flags, megatron_lm_rules
+from . import arg_checks, megatron_lm_flags, megatron_lm_rules, safety_flags
 from .profiling import add_profile_args, validate_profile_args
 
 
@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     _zeropp_args(p)
     add_profile_args(p)
     megatron_lm_flags.add_args(p)
+    safety_flags.add_args(p)
     megatron_lm_rules.add_args(p)  # last: every Megatron-LM option not defined above
     return p
 
@@ -263,6 +264,10 @@ def validate(args, world_size: int) -> List[str]:
     overrides); raises ValueError naming every bad flag.
     """
     errors, notes = [], []
+    # Values before relations: a zero size would divide below (ZeroDivisionError).
+    bad_values = arg_checks.value_errors(args)
+    if bad_values:
+        raise ValueError("; ".join(bad_values))
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
     if min(tp, pp, cp) < 1 or world_size % (tp * pp * cp):

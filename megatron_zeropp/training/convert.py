@@ -26,7 +26,9 @@ import torch.distributed as dist
 from megatron_zeropp.backend import init_distributed, init_megatron
 from megatron_zeropp.checkpointing import checks as checkpoint_checks
 from megatron_zeropp.checkpointing import dist as checkpoint_dist
+from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
+from megatron_zeropp.errors import StartupError
 from megatron_zeropp.topology import build_topology
 
 from .arguments import parse_args
@@ -40,6 +42,24 @@ from .model import (
 )
 
 FORMATS = ("torch", "torch_dist")
+
+
+def _parse_stored(argv: List[str], world: int):
+    """parse_args on the command line rebuilt from the checkpoint; its errors are the
+    checkpoint's, reported as such (not as pretrain_gpt.py's, whose flags the converter lacks)."""
+    import contextlib
+    import io
+
+    message = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(message):
+            return parse_args(argv, world)
+    except SystemExit:
+        text = message.getvalue().strip().splitlines()
+        text = text[-1] if text else "invalid"
+        text = text.split("error: ", 1)[-1].replace(" (--help lists the flags)", "")
+        raise StartupError(f"the arguments stored in the checkpoint do not describe a model "
+                           f"this project builds: {text}") from None
 
 
 def _stored_args(root: str, iteration: int, fmt: str) -> dict:
@@ -78,16 +98,17 @@ def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] =
     """Convert ``input_dir``'s checkpoint (latest, or ``iteration``) into ``output_dir`` in
     format ``to``; every rank calls. Returns the written iteration directory."""
     if to not in FORMATS:
-        raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
+        raise StartupError(f"--to must be one of {FORMATS}, got {to!r}")
     it = checkpoint_checks.latest_iteration(input_dir) if iteration is None else iteration
     if it is None or not os.path.isdir(checkpoint.iteration_dir(input_dir, it)):
-        raise ValueError(f"--input {input_dir}: no checkpoint"
-                         + (f" of iteration {it}" if it is not None else ""))
+        raise StartupError(f"--input {input_dir}: no checkpoint"
+                           + (f" of iteration {it}" if it is not None else ""))
+    checkpoint_integrity.check_files(checkpoint.iteration_dir(input_dir, it))
     source = checkpoint_dist.checkpoint_format(input_dir, it)
     stored = _stored_args(input_dir, it, source)
     world = dist.get_world_size() if dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(_argv(stored, to, tensor_parallel, pipeline_parallel), world)
+    args = _parse_stored(_argv(stored, to, tensor_parallel, pipeline_parallel), world)
     for name in CHECKPOINT_ARGS:
         if name in stored and name not in ("tensor_model_parallel_size",
                                            "pipeline_model_parallel_size"):
@@ -96,7 +117,7 @@ def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] =
     if source == "torch" and (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) \
             != (stored.get("tensor_model_parallel_size", 1),
                 stored.get("pipeline_model_parallel_size", 1)):
-        raise ValueError("a torch-format checkpoint is read with its own TP/PP; convert it to "
+        raise StartupError("a torch-format checkpoint is read with its own TP/PP; convert it to "
                          "torch_dist first, then to another TP/PP")
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

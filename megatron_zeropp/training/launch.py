@@ -4,11 +4,15 @@ A rank that raises prints its traceback and then one line naming the rank and th
 the line of ours) where it failed, and leaves with exit code 1 at once: ``os._exit``, because a
 normal interpreter exit joins the communication thread, which may itself be blocked in a
 collective that a dead or frozen peer will never join. torchrun then stops the other ranks.
+Before ``os._exit`` every process the rank started is stopped and the process group destroyed
+(for a bounded time); a run that completes destroys its process group before the interpreter's
+teardown (:mod:`.shutdown`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -16,6 +20,8 @@ import traceback
 from typing import Callable, List, Optional
 
 from megatron_zeropp.errors import NonFiniteError, StartupError
+
+from . import shutdown
 
 RANK0_GRACE_S = 30.0
 """How long other ranks wait for rank 0 to report an error all ranks found."""
@@ -90,31 +96,48 @@ def failure_line(rank: str, exc: BaseException) -> str:
     return line
 
 
-def run_guarded(fn: Callable[[], object]) -> None:
+def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None:
     """Run ``fn``; on an exception print it with :func:`failure_line` and exit 1 immediately.
 
-    A :class:`StartupError` is bad input, not a crash: one line from rank 0, exit code 2; a
-    :class:`NonFiniteError` (same on every rank) is one line from rank 0 too, exit code 1.
+    A :class:`StartupError` is bad input, not a crash: one line from rank 0 (``prog: error:``),
+    exit code 2; a :class:`NonFiniteError` (same on every rank) is one line from rank 0 too, exit
+    code 1. Every exit, failed or not, goes through :mod:`.shutdown`.
     """
+    shutdown.install_termination_handler()
     try:
         fn()
+    except shutdown.Terminated as exc:
+        shutdown.begin_exit()
+        print(f"[rank {os.environ.get('RANK', '0')}] stopped by {exc}", file=sys.stderr,
+              flush=True)
+        shutdown.failed_exit(128 + signal.SIGTERM)
     except SystemExit:
+        # argparse's exit (before any group) or an explicit one: the usual exit, tidied first
+        shutdown.stop_writer_processes()
+        shutdown.destroy_process_group(shutdown.FAILED_TEARDOWN_S)
         raise
     except (StartupError, NonFiniteError) as exc:
         if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+            shutdown.begin_exit()
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         else:
             # The launcher stops every rank when the first one exits; let rank 0, which reached
-            # the same error, print it first (the launcher ends this wait).
-            time.sleep(RANK0_GRACE_S)
+            # the same error, print it first (the launcher's SIGTERM ends this wait).
+            try:
+                time.sleep(RANK0_GRACE_S)
+            except shutdown.Terminated:
+                pass
         sys.stdout.flush()
-        os._exit(2 if isinstance(exc, StartupError) else 1)
+        shutdown.failed_exit(2 if isinstance(exc, StartupError) else 1)
     except BaseException as exc:  # noqa: BLE001 -- every failure must end the process
+        shutdown.begin_exit()
         rank = os.environ.get("RANK", "0")
         traceback.print_exc()
         print(failure_line(rank, exc), file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(1)
+        shutdown.failed_exit(1)
+    sys.stdout.flush()
+    shutdown.clean_exit()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

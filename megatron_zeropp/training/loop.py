@@ -12,9 +12,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeropp.backend import default_device, init_distributed, init_megatron
+from megatron_zeropp.checkpointing import agreement, save_lock
 from megatron_zeropp.checkpointing import checks as checkpoint_checks
 from megatron_zeropp.checkpointing import dist as checkpoint_dist
+from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
+from megatron_zeropp.errors import StartupError
 from megatron_zeropp.topology import build_topology
 
 from .arguments import parse_args, print_args
@@ -38,7 +41,7 @@ from .model import (
 from .nan_check import check_finite
 from .profiling import IterationProfiler
 from .qgz_error_log import append_qgz_error
-from .run_control import BatchRamp, ExitClock, ManualGC, params_norm
+from .run_control import BatchRamp, ExitClock, ManualGC, SignalExit, params_norm
 
 
 def _log(*parts) -> None:
@@ -186,10 +189,25 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     """
     start_time = time.time()
     _quiet_known_warnings()  # before megatron-core's first import, which warns per module
-    from megatron.core import parallel_state as ps
-
     world_size = dist.get_world_size() if dist.is_initialized() else None
     args = parse_args(argv, world_size)
+    load_iteration, tokenizer_args, error = None, None, None
+    try:
+        load_iteration, tokenizer_args = _startup_checks(args)
+    except StartupError as e:
+        error = str(e)
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+    try:
+        _agree_at_start(args, load_iteration, error)
+        history = _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration)
+    finally:
+        save_lock.release_all()
+    return history
+
+
+def _startup_checks(args):
+    """What each rank checks alone, before the first collective: ``(load_iteration,
+    tokenizer_args)``; raises StartupError (shared with the other ranks by the agreement)."""
     if args.use_checkpoint_args:
         apply_checkpoint_args(args, _saved_args(args.load, args.ckpt_step))
     load_iteration = checkpoint_checks.resolve_load(args.load, args.ckpt_step, args.load_optional,
@@ -197,9 +215,58 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     # --finetune starts counting at 0 again: a save target holding later iterations is refused.
     checkpoint_checks.check_save_target(
         args.save, 0 if args.finetune else (load_iteration or 0), args.overwrite_checkpoints)
+    checkpoint_checks.check_save_writable(args.save)
+    if load_iteration is not None:
+        checkpoint_integrity.check_files(checkpoint.iteration_dir(args.load, load_iteration))
     tokenizer_args = _tokenizer_args(args)
+    _check_tokenizer(args, tokenizer_args)
     _check_data_files(args, tokenizer_args)
-    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if args.save is not None and rank == 0:
+        # rank 0 alone writes latest and renames iterations: it holds the lock
+        save_lock.acquire(args.save, take_over=args.break_save_lock)
+    return load_iteration, tokenizer_args
+
+
+def _agree_at_start(args, load_iteration, error) -> None:
+    """The first collective: every rank's start-up verdict, then what each would load."""
+    load, seen = checkpoint_checks.load_view(args.load, load_iteration) if error is None \
+        else (None, None)
+    gathered = agreement.gather(error, load=load, seen=seen)
+    agreement.raise_errors(gathered)
+    agreement.check_same(gathered, "load", "the checkpoint to load", show="seen")
+    if args.save is not None:
+        # rank 0 took the lock before the gather above: all must see it now (a node-local
+        # --save would otherwise be found at the first save, after a whole interval)
+        token, seen = save_lock.seen(args.save)
+        agreement.check_same(agreement.gather(None, lock=token, seen=seen), "lock",
+                             "the --save directory", show="seen")
+
+
+def _check_tokenizer(args, tokenizer_args) -> None:
+    from megatron_zeropp.data.tokenizers import build_tokenizer
+
+    files = [(flag, getattr(args, name)) for flag, name in (
+        ("--tokenizer-model", "tokenizer_model"), ("--vocab-file", "vocab_file"),
+        ("--merge-file", "merge_file")) if getattr(args, name, None)]
+    for flag, path in files:
+        if args.tokenizer_type == "HuggingFaceTokenizer" and flag == "--tokenizer-model" and \
+                not os.path.exists(path) and os.sep not in path:
+            continue  # a hub name, not a path
+        if not os.path.exists(path):
+            raise StartupError(f"{flag} {path} does not exist")
+    try:
+        build_tokenizer(**tokenizer_args)
+    except Exception as e:  # noqa: BLE001 -- any library's error on a bad file, in one line
+        named = " ".join(f"{flag} {path}" for flag, path in files)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StartupError(f"--tokenizer-type {args.tokenizer_type} {named}: cannot be loaded "
+                           f"({type(e).__name__}: {text})") from None
+
+
+def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) -> dict:
+    from megatron.core import parallel_state as ps
+
     world, rank = dist.get_world_size(), dist.get_rank()
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size, args.seed)
@@ -208,6 +275,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
     tokenizer, (train_ds, valid_ds, test_ds) = _setup_data(args, tokenizer_args)
     if load_iteration is not None:
+        checkpoint_integrity.verify_checksums(checkpoint.iteration_dir(args.load, load_iteration))
         # torch_dist checkpoints reshard: their TP/PP need not match this run's.
         checkpoint_checks.check_model_config(
             args.load, load_iteration, checkpoint_checks.model_config(args),
@@ -246,6 +314,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     stats = IntervalStats()
     collector = ManualGC(args)
     clock = ExitClock(args.exit_duration_in_mins, start_time)
+    # (on an exception the handlers stay: the process is ending)
+    signals = SignalExit(args.exit_signal_handler)
     evals_done = iteration // args.eval_interval
     if hasattr(model, "comm_counts"):
         model.comm_counts(reset=True)
@@ -329,13 +399,18 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         last = iteration == args.train_iters
         exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
         timed_out = clock.expired(device)
+        signalled = signals.requested(device)
         if args.save and ((args.save_interval and iteration % args.save_interval == 0)
-                          or last or exiting or timed_out):
+                          or last or exiting or timed_out or signalled):
             _save(args, iteration, consumed, chunks, optimizer, scheduler)
             _log(f"> saved checkpoint of iteration {iteration} to {args.save}")
         if timed_out:
             _log(f"> exiting program after {clock.elapsed_minutes():.2f} minutes "
                  f"(--exit-duration-in-mins {args.exit_duration_in_mins})")
+            break
+        if signalled:
+            _log(f"> exiting program after iteration {iteration} on {signals.received} "
+                 f"(--exit-signal-handler)")
             break
         if exiting:
             break
@@ -344,6 +419,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
                           device, iteration, consumed, board, history)
     profiler.close()
     collector.stop()
+    signals.stop()
     board.flush()
     return history
 
@@ -358,7 +434,8 @@ def _saved_args(load: str, step: Optional[int]) -> dict:
 def _save(args, iteration, consumed, chunks, optimizer, scheduler) -> None:
     common = dict(overwrite=args.overwrite_checkpoints,
                   model_config=checkpoint_checks.model_config(args),
-                  save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+                  save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+                  checksums=args.ckpt_checksums)
     if args.ckpt_format == "torch_dist":
         # Megatron-LM sums each iteration's FLOPs; the formula is linear in tokens.
         flops = num_floating_point_operations(args, consumed * args.seq_length)

@@ -1,11 +1,13 @@
 """What Megatron-LM's training loop does between steps, besides the step itself: manual garbage
-collection (--manual-gc), the wall-clock limit (--exit-duration-in-mins), the parameter norm
-(--log-params-norm), the batch-size ramp-up (--rampup-batch-size) and the final evaluation."""
+collection (--manual-gc), the wall-clock limit (--exit-duration-in-mins), SIGTERM
+(--exit-signal-handler), the parameter norm (--log-params-norm), the batch-size ramp-up
+(--rampup-batch-size) and the final evaluation."""
 
 from __future__ import annotations
 
 import gc
 import math
+import signal
 import time
 
 import torch
@@ -60,6 +62,43 @@ class ExitClock:
         done = torch.tensor([int(self.elapsed_minutes() > self.minutes)], device=device)
         dist.all_reduce(done, op=dist.ReduceOp.MAX)
         return bool(done.item())
+
+
+class SignalExit:
+    """--exit-signal-handler: SIGTERM asks the loop to save after the current iteration and stop
+    (Megatron-LM's flag and default signal; what a Slurm preemption or requeue sends). The
+    handler only records the signal: every rank agrees on it (MAX over the world) at the end of
+    each iteration, so all ranks save the same iteration. Without the flag SIGTERM ends the rank
+    through training/shutdown.py."""
+
+    SIGNALS = (signal.SIGTERM,)
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.received = None
+        self._previous = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def requested(self, device) -> bool:
+        """Collective when enabled (every rank calls it every iteration)."""
+        if not self.enabled:
+            return False
+        flag = torch.tensor([int(self.received is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.received is None:
+            self.received = "a signal to another rank"
+        return bool(flag.item())
+
+    def stop(self) -> None:
+        """Give the previous handlers back (pretrain may be called again in the process)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 class BatchRamp:

@@ -1,0 +1,130 @@
+"""Every way a rank ends: nothing it started outlives it, and the process group goes down in order.
+
+* megatron-core's checkpoint writer keeps its results queue in a multiprocessing *manager*, a
+  spawned server process (plus multiprocessing's resource tracker) that inherits the job's
+  stdout/stderr. A rank that ends with ``os._exit`` (as a failing rank must, see launch.py) skips
+  the manager's shutdown, so both were re-parented to PID 1 and kept ``torchrun ... | tee log``
+  from ever returning. Our saves are synchronous, so :mod:`megatron_zeropp.checkpointing.dist`
+  gives megatron-core an in-process queue instead and no such process is started; what is shut
+  down here covers the case where one exists anyway (another caller of megatron-core's writer).
+* A complete run that left ``torch.distributed`` to the interpreter's teardown sometimes ended
+  with SIGABRT ("terminate called without an active exception", a C++ thread destroyed while
+  joinable): :func:`clean_exit` destroys the process group first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+
+FAILED_TEARDOWN_S = 5.0
+"""How long a failing rank waits for the process group to be destroyed before it exits anyway:
+a peer may be frozen inside a collective that the destruction would wait for."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stopping the job after another rank failed, an operator's
+    ``kill``, a scheduler): the rank ends through :func:`failed_exit` instead of dying on the
+    spot with its --save lock held. A BaseException, like KeyboardInterrupt: no ``except
+    Exception`` of the training code swallows it."""
+
+
+_exiting = False
+
+
+def _terminate(signum, frame) -> None:
+    if not _exiting:  # already on the way out: let that finish
+        raise Terminated(signal.Signals(signum).name)
+
+
+def install_termination_handler() -> None:
+    """SIGTERM raises :class:`Terminated` in the main thread (the launcher's ranks). Python runs
+    it between bytecodes: a rank blocked in a collective takes it when the collective returns
+    or fails (a dead peer's closed connection fails it at once); torchrun waits 30 s before its
+    SIGKILL. --exit-signal-handler replaces it while training (run_control.SignalExit)."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def begin_exit() -> None:
+    """From here on a SIGTERM no longer interrupts: the rank is already ending."""
+    global _exiting
+    _exiting = True
+
+
+def stop_writer_processes() -> None:
+    """Shut down megatron-core's writer manager (if one was started) and end every child process
+    of this one (forked checkpoint writers of a save cut short)."""
+    # Not imported: nothing of it runs (and importing it would cost a failing rank seconds).
+    filesystem_async = sys.modules.get(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        try:
+            manager.shutdown()
+        except Exception:  # noqa: BLE001 -- already gone; terminated below if not
+            pass
+        filesystem_async._results_queue = None
+    for child in multiprocessing.active_children():
+        child.terminate()
+    for child in multiprocessing.active_children():
+        child.join(timeout=FAILED_TEARDOWN_S)
+        if child.is_alive():
+            child.kill()
+
+
+def destroy_process_group(wait_s: float = None) -> None:
+    """Destroy the default process group if one exists; with ``wait_s``, give up after that many
+    seconds (on a failing rank, whose peers may never answer)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if wait_s is None:
+        dist.destroy_process_group()
+        return
+    worker = threading.Thread(target=_quietly_destroy, daemon=True)
+    worker.start()
+    worker.join(wait_s)
+
+
+def _quietly_destroy() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- the rank is failing already; its error was printed
+        pass
+
+
+def _release_save_locks() -> None:
+    try:
+        from megatron_zeropp.checkpointing import save_lock
+
+        save_lock.release_all()
+    except Exception:  # noqa: BLE001 -- an unreleased lock expires by itself (its lease)
+        pass
+
+
+def failed_exit(code: int) -> None:
+    """End a failing rank now: give back --save's lock, stop the writer processes, try to
+    destroy the process group for a bounded time, then ``os._exit(code)`` (no interpreter
+    teardown, which would join threads blocked in collectives)."""
+    begin_exit()
+    try:
+        _release_save_locks()
+        stop_writer_processes()
+        destroy_process_group(FAILED_TEARDOWN_S)
+    finally:
+        os._exit(code)
+
+
+def clean_exit() -> None:
+    """After a run that completed: the writer processes, then the process group, in that order
+    (the interpreter's own teardown then has no thread of torch.distributed left to destroy)."""
+    _release_save_locks()
+    stop_writer_processes()
+    destroy_process_group()

@@ -1,0 +1,196 @@
+"""The failure checks one by one, without launching a job: bad values in one line, a --save that
+cannot be written, the --save lock's lease, and corrupt checkpoint files named (a stand-in
+torch_dist directory written with torch.distributed.checkpoint alone)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_zeropp.checkpointing import checks, integrity, save_lock
+from megatron_zeropp.errors import StartupError
+from megatron_zeropp.training.arguments import parse_args
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+        "--micro-batch-size 1 --lr 1e-3 --train-iters 3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 64").split()
+
+
+def _set(argv, flag, value):
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    return argv
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--micro-batch-size", "0", "--micro-batch-size must be >= 1, got 0"),
+    ("--num-attention-heads", "0", "--num-attention-heads must be >= 1, got 0"),
+    ("--tensor-model-parallel-size", "0", "--tensor-model-parallel-size must be >= 1, got 0"),
+    ("--pipeline-model-parallel-size", "0", "--pipeline-model-parallel-size must be >= 1, got 0"),
+    ("--num-layers", "0", "--num-layers must be >= 1, got 0"),
+    ("--lr", "-0.001", "--lr must be a finite number >= 0.0, got -0.001"),
+    ("--lr", "nan", "--lr must be a finite number >= 0.0, got nan"),
+    ("--hidden-dropout", "1.5", "--hidden-dropout must be a finite number in [0.0, 1.0], got 1.5"),
+    ("--adam-beta2", "inf", "--adam-beta2 must be a finite number in [0.0, 1.0], got inf"),
+    ("--distributed-timeout-minutes", "0", "--distributed-timeout-minutes must be a finite "
+                                           "number > 0, got 0.0"),
+    ("--distributed-timeout-minutes", "-1", "got -1.0"),
+    ("--global-batch-size", "0", "--global-batch-size must be >= 1, got 0"),
+    ("--split", "nan,1,1", "--split: split must be 1-3 comma-separated finite weights"),
+])
+def test_a_bad_value_is_one_line_naming_flag_and_value(flag, value, message, capsys):
+    argv = _set(BASE, flag, value)
+    if flag == "--split":
+        argv = [a for a in argv if a != "--mock-data"] + ["--data-path", "/d/x_text_document"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, world_size=1)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_bad_blend_weights_are_refused(capsys):
+    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", "-1", "/a", "1", "/b"]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=1)
+    assert "--data-path: blend weights must be finite, >= 0" in capsys.readouterr().err
+
+
+def test_good_values_pass():
+    args = parse_args(BASE + ["--hidden-dropout", "0", "--lr", "0"], world_size=1)
+    assert args.hidden_dropout == 0.0 and args.lr == 0.0
+
+
+def test_a_save_that_cannot_be_written_is_found(tmp_path, monkeypatch):
+    checks.check_save_writable(str(tmp_path / "new" / "ckpt"))  # creatable: fine
+    assert not os.path.exists(tmp_path / "new")  # and the check creates nothing
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StartupError, match="exists and is not a directory"):
+        checks.check_save_writable(str(tmp_path / "f"))
+    with pytest.raises(StartupError, match=f"{tmp_path / 'f'} is not a directory, so"):
+        checks.check_save_writable(str(tmp_path / "f" / "ckpt"))
+    real_open = open
+
+    def read_only(path, *args, **kwargs):  # root writes through permission bits: mock EROFS
+        if ".zeropp_write_probe" in str(path):
+            raise OSError(30, "Read-only file system")
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", read_only)
+    with pytest.raises(StartupError, match=f"--save {tmp_path}: cannot write files in it: "
+                                           "Read-only file system"):
+        checks.check_save_writable(str(tmp_path))
+
+
+def test_a_non_utf8_latest_file_is_named(tmp_path):
+    (tmp_path / checks._LATEST).write_bytes(b"\xff\xfe4")
+    with pytest.raises(StartupError, match=f"{tmp_path / checks._LATEST} is unreadable "
+                                           "\\(UnicodeDecodeError"):
+        checks.latest_iteration(str(tmp_path))
+
+
+def _acquire_elsewhere(root):
+    """Another job (a process) trying to take ``root``'s lock: (exit code, stderr)."""
+    code = ("import sys\nfrom megatron_zeropp.checkpointing import save_lock\n"
+            "try:\n    save_lock.acquire(sys.argv[1])\nexcept Exception as e:\n"
+            "    print(e, file=sys.stderr); sys.exit(3)\n")
+    run = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True,
+                         timeout=120)
+    return run.returncode, run.stderr
+
+
+def test_the_save_lock_keeps_a_second_job_out_and_is_given_back(tmp_path):
+    root = str(tmp_path / "ckpt")
+    save_lock.acquire(root)
+    try:
+        code, err = _acquire_elsewhere(root)
+        assert code == 3
+        assert f"is in use by another job: host {socket.gethostname()} pid {os.getpid()}" in err
+        assert "--break-save-lock" in err
+        save_lock.check_held(root)  # ours
+    finally:
+        save_lock.release(root)
+    assert not os.path.exists(os.path.join(root, save_lock.LOCK))
+    code, err = _acquire_elsewhere(root)  # free now; that process took and left it (its
+    assert code == 0, err                 # lock names a dead pid of this host: stale)
+    save_lock.acquire(root)
+    save_lock.release(root)
+
+
+def test_a_dead_or_silent_holder_loses_the_lock(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    lock = root / save_lock.LOCK
+    lock.write_text(json.dumps({"host": "node-3", "pid": 1, "token": "t"}))
+    with pytest.raises(StartupError, match="host node-3 pid 1"):
+        save_lock.acquire(str(root))  # alive as far as we can tell (another host, fresh)
+    old = time.time() - save_lock.LEASE_S - 5
+    os.utime(lock, (old, old))  # not refreshed for longer than the lease: taken over
+    save_lock.acquire(str(root))
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    # another job breaks it (--break-save-lock): this job's next save refuses to write
+    lock.write_text(json.dumps({"host": "node-4", "pid": 7, "token": "u"}))
+    with pytest.raises(RuntimeError, match="taken over by host node-4 pid 7"):
+        save_lock.check_held(str(root))
+    save_lock.release(str(root))
+    assert lock.exists()  # not ours any more: left alone
+    save_lock.acquire(str(root), take_over=True)
+    save_lock.release(str(root))
+
+
+@pytest.fixture
+def dist_dir(tmp_path):
+    """A torch_dist-shaped directory: DCP shards and .metadata, metadata.json, common.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path / "iter_0000004"
+    state = {"w": torch.arange(20000, dtype=torch.float32), "v": torch.ones(3000)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    torch.save({"iteration": 4}, d / "common.pt")
+    integrity.check_files(str(d))  # whole: passes
+    return d
+
+
+def _shard(d):
+    return d / sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing shard", "is missing (listed in"),
+    ("cut shard", "the file is cut"),
+    ("cut metadata.json", "metadata.json is unreadable"),
+    ("cut common.pt", "common.pt is unreadable"),
+    ("cut .metadata", ".metadata is unreadable"),
+])
+def test_every_corrupt_file_is_named(dist_dir, damage, message):
+    target = {"missing shard": _shard(dist_dir), "cut shard": _shard(dist_dir),
+              "cut metadata.json": dist_dir / "metadata.json",
+              "cut common.pt": dist_dir / "common.pt",
+              "cut .metadata": dist_dir / ".metadata"}[damage]
+    if damage == "missing shard":
+        target.unlink()
+    else:
+        os.truncate(target, os.path.getsize(target) // 2)
+    with pytest.raises(StartupError) as e:
+        integrity.check_files(str(dist_dir))
+    assert str(target) in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_the_converter_names_itself_in_its_errors(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "tools", "convert_checkpoint.py"),
+                          "--input", str(tmp_path / "nothing"), "--output", str(tmp_path / "o"),
+                          "--to", "torch"], capture_output=True, text=True, timeout=300,
+                         cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"convert_checkpoint.py: error: --input {tmp_path / 'nothing'}: no checkpoint")
+    assert "pretrain_gpt.py" not in run.stderr and "Traceback" not in run.stderr
