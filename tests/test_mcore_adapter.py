@@ -154,6 +154,19 @@ def test_untested_versions_are_refused_in_one_line(installed, monkeypatch, text)
     assert "0.16.1, 0.19.x" in message and version.ALLOW_ENV in message
 
 
+def test_without_megatron_core_the_kernels_still_import(installed, monkeypatch):
+    # The quantization kernels and collectives need no megatron-core (bench_kernels.py on a GPU
+    # host without it); what does need it fails at its own import.
+    def missing():
+        raise version.MegatronCoreMissing("megatron-core is not installed")
+
+    monkeypatch.setattr(version, "_installed_text", missing)
+    version.mcore_version.cache_clear()
+    assert version.check_supported() is None
+    with pytest.raises(version.MegatronCoreMissing):
+        version.check_supported(require=True)
+
+
 def test_override_warns_and_runs(installed, monkeypatch):
     monkeypatch.setenv(version.ALLOW_ENV, "1")
     installed("0.18.0")

@@ -13,7 +13,7 @@ import functools
 import os
 import re
 import warnings
-from typing import Tuple
+from typing import Optional, Tuple
 
 # (major, minor, patch or None for "any patch release"): the versions the CPU suite and a GPU run
 # were checked against. 0.17 and 0.18 are not tested and therefore refused.
@@ -23,6 +23,10 @@ ALLOW_ENV = "ZEROPP_ALLOW_UNTESTED_MCORE"
 
 class UnsupportedMegatronCore(ImportError):
     """The installed megatron-core is not one this project was tested against."""
+
+
+class MegatronCoreMissing(UnsupportedMegatronCore):
+    """No megatron-core at all (the quantization kernels and collectives run without it)."""
 
 
 def supported_text() -> str:
@@ -48,7 +52,7 @@ def _installed_text() -> str:
     try:
         from megatron.core import package_info
     except ImportError as exc:
-        raise UnsupportedMegatronCore(
+        raise MegatronCoreMissing(
             f"megatron-core is not installed (supported: {supported_text()})") from exc
     return package_info.__version__
 
@@ -64,10 +68,16 @@ def mcore_version() -> Tuple[int, int, int]:
     return _parse(_installed_text())
 
 
-def check_supported() -> Tuple[int, int, int]:
+def check_supported(require: bool = False) -> Optional[Tuple[int, int, int]]:
     """Refuse an untested megatron-core in one line (``ZEROPP_ALLOW_UNTESTED_MCORE=1``: warn and
-    run; the adapter then takes the newest tested version's code paths)."""
-    version = mcore_version()
+    run; the adapter then takes the newest tested version's code paths). Without megatron-core:
+    ``None`` (what needs it fails at its own import), or the refusal when ``require``."""
+    try:
+        version = mcore_version()
+    except MegatronCoreMissing:
+        if require:
+            raise
+        return None
     if is_supported(version):
         return version
     text = ".".join(map(str, version))
