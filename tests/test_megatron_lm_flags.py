@@ -57,7 +57,7 @@ def test_iteration_based_schedule_in_samples():
         (["--train-iters", "5", "--tokenizer-type", "GPT2BPETokenizer"],
          "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
         (["--train-iters", "5", "--exit-duration-in-mins", "0"],
-         "--exit-duration-in-mins must be > 0"),
+         "--exit-duration-in-mins must be a finite number > 0, got 0.0"),
     ],
 )
 def test_flags_that_cannot_work_fail_by_name(extra, message, capsys):

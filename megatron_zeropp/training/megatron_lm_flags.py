@@ -154,8 +154,6 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
                       "builds the per-document mask for one sequence shard only")
     if args.manual_gc_interval < 0:
         errors.append(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        errors.append(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         errors.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.tokenizer_type == "TikTokenizer" and not args.tokenizer_model:
