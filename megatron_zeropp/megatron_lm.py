@@ -212,6 +212,18 @@ class MegatronLMZeroPP(ZeroPPDataParallel):
     ``--overlap-param-gather``, which :func:`check_args` turns off; kept so that Megatron-LM's
     capability check passes and any call is harmless: the layer's own forward hooks gather)."""
 
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
+        """The layer's: new weight version, and the next forward's first gathers started now
+        (on CUDA). Without CUDA those gathers would run on the layer's communication thread
+        while Megatron-LM's ``train_step`` goes on with raw collectives on the same
+        data-parallel group (the loss all-reduce right after the optimizer step), which gloo
+        could then run in different orders on different ranks: no prefetch there (the first
+        forward gathers in its hook, in program order)."""
+        import torch
+
+        super().start_param_sync(*unused, force_sync=force_sync or not torch.cuda.is_available(),
+                                 force_dispatch=force_dispatch)
+
     def enable_forward_pre_hook(self):
         """Nothing to enable: the layer's gathers run in its own forward hooks."""
 

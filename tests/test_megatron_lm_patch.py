@@ -340,16 +340,22 @@ def _build_and_train(ctx, through_factory):
         kinds = None
     T.wire_schedule_hooks(config, wrapped, optimizer)
     results = train(wrapped, optimizer, 3)
-    return kinds, results, full_params(wrapped)
+    # After the last optimizer step (start_param_sync): has the first unit's gather started?
+    first_unit = wrapped.units[0].state.name
+    return kinds, results, full_params(wrapped), first_unit
 
 
 def test_factory_builds_the_layer_and_trains_as_the_direct_one():
     factory = run_distributed(_build_and_train, 1, 2, args=(True,))
     direct = run_distributed(_build_and_train, 1, 2, args=(False,))
     for rank in range(2):
-        kinds, results, params = factory[rank]
+        kinds, results, params, first_unit = factory[rank]
         assert kinds == ["MegatronLMZeroPP", False, 2, ["ZeroPPDistributedOptimizer"]]
-        _, ref_results, ref_params = direct[rank]
+        _, ref_results, ref_params, ref_first_unit = direct[rank]
+        # Without CUDA the factory's layer starts no gather in start_param_sync (Megatron-LM's
+        # train_step then issues raw collectives on the DP group); the layer itself does.
+        assert first_unit == "RELEASED" and ref_first_unit != "RELEASED", (first_unit,
+                                                                          ref_first_unit)
         # Same layer, same config, same data: the same bits.
         assert results == ref_results
         assert params.keys() == ref_params.keys()
