@@ -4,8 +4,10 @@ The patches in ``patches/`` (one per Megatron-LM tag) add a few lines to Megatro
 this module; nothing else of Megatron-LM changes::
 
     pretrain_gpt.py       extra_args_provider=zeropp.arguments_provider(<the existing one>)
-    training.py           zeropp.check_args(args)            (after Megatron-LM's validate_args)
-                          DP = zeropp.data_parallel(args)    (where get_model picks DDP)
+    training.py           zeropp.check_args(args)            (after Megatron-LM's validate_args;
+                                                              core_v0.19.0: in pretrain_gpt.py)
+                          DP = zeropp.data_parallel(args)    (where get_model picks DDP;
+                                                              core_v0.19.0: also dist_utils.py)
                           isinstance(model[0], (..., zeropp.ZeroPPDataParallel))  (no_sync wiring)
                           (zeropp.get_optimizer if zeropp.enabled(args) else get_megatron_optimizer)
 
