@@ -430,3 +430,36 @@ def test_a_save_directory_that_is_not_shared_is_refused_at_start(prev):
     assert "iteration " not in run.stdout
     assert not os.path.exists(os.path.join(other, ".save_lock"))  # given back
     assert _fingerprint(*dirs) == before
+
+
+def test_two_jobs_started_together_on_one_save_directory(prev, tmp_path):
+    # Two real jobs race for one fresh --save (a Slurm requeue overlapping its old allocation):
+    # one must be refused at start naming the other, the other must finish, and its checkpoint
+    # must be its own (it used to publish a common.pt of the other job and exit 0).
+    copy, before, dirs = prev
+    shared = str(tmp_path / "shared")
+    data = str(copy / "data" / "corpus_text_document")
+    argv = _model() + ["--train-iters", "12", "--train-data-path", data,
+                       "--data-cache-path", str(tmp_path / "index_cache"),
+                       "--save", shared, "--save-interval", "4"]
+    markers = [uuid.uuid4().hex for _ in range(2)]
+    jobs = [subprocess.Popen(_torchrun(2, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, env=_env(ZEROPP_TEST_JOB=m)) for m in markers]
+    outs = [job.communicate(timeout=LIMIT_S) for job in jobs]
+    codes = [job.returncode for job in jobs]
+    assert sorted(codes)[0] == 0 and sorted(codes)[1] != 0, (codes, outs[0][1][-2000:],
+                                                              outs[1][1][-2000:])
+    won, lost = (0, 1) if codes[0] == 0 else (1, 0)
+    _one_line_from_rank_0(outs[lost][1], f"--save {shared} is in use by another job: host "
+                                         f"{socket.gethostname()} pid ")
+    assert "iteration " not in outs[lost][0]
+    assert "> saved checkpoint of iteration 12" in outs[won][0]
+    assert all(_survivors(m) == [] for m in markers)
+    assert not os.path.exists(os.path.join(shared, ".save_lock"))  # given back by the winner
+    # the winner's checkpoint is whole: it resumes
+    run = _launch(2, _model() + ["--train-iters", "13", "--train-data-path", data,
+                                 "--data-cache-path", str(tmp_path / "index_cache"),
+                                 "--load", shared, "--use-checkpoint-opt_param-scheduler"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "iteration       13/      13" in run.stdout
+    assert _fingerprint(*dirs) == before
