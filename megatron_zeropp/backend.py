@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 from typing import Optional
 
+import numpy
 import torch
 
 
@@ -82,10 +84,11 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
                   context_parallel: int = 1, seed: int = 1234) -> None:
     """megatron-core's parallel state and RNG seeds, after ``init_process_group``.
 
-    Applies the megatron-core patches (:func:`apply_mcore_patches`). Seeds torch and
-    megatron-core's model-parallel RNG tracker (mandatory before building megatron-core
-    layers). Idempotent for the parallel state: an already initialised one is kept.
-    megatron-core's groups get the default group's timeout (see :func:`world_timeout`).
+    Applies the megatron-core patches (:func:`apply_mcore_patches`). Seeds as Megatron-LM does:
+    ``seed + 100 * pipeline rank`` for Python's ``random``, numpy, torch and megatron-core's
+    model-parallel RNG tracker (mandatory before building megatron-core layers). Idempotent for
+    the parallel state: an already initialised one is kept. megatron-core's groups get the
+    default group's timeout (see :func:`world_timeout`).
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mcore_tp
@@ -96,5 +99,11 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
             tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel,
             distributed_timeout_minutes=world_timeout().total_seconds() / 60,
         )
+    # As Megatron-LM's _set_random_seed: one stream per pipeline stage, every host generator.
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed must be a positive integer, got {seed!r}")
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    numpy.random.seed(seed)
     torch.manual_seed(seed)
     mcore_tp.model_parallel_cuda_manual_seed(seed)

@@ -23,6 +23,9 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
      "mutually exclusive"),
     (["--load-optional"], 1, "--load-optional needs --load"),
+    (["--lr-warmup-iters", "10"], 1, "the LR warm-up (10 iterations) must be shorter than the "
+     "LR decay (10 iterations: --lr-decay-iters, default the whole run)"),
+    (["--lr-warmup-iters", "4", "--lr-decay-iters", "3"], 1, "LR warm-up (4 iterations)"),
 ])
 def test_layout_errors_name_the_flag_before_any_group(extra, world, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,4 +1,4 @@
-"""A gradient norm without one host sync per parameter, for megatron-core without apex or TE.
+"""A gradient norm with one host sync per step, for megatron-core without apex or TE.
 
 Checked: megatron-core 0.16.1 and 0.19.1. Without Transformer Engine or apex,
 ``megatron.core.optimizer.clip_grads`` falls back to ``megatron.core.utils.
@@ -10,11 +10,14 @@ path of every configuration, megatron-core's own included. apex's and TE's ``mul
 never leave the device.
 
 :func:`device_l2_norm` is a drop-in with the same contract (``(norm of all tensors as a
-1-element fp32 tensor, None)``) that stays on the device: per-tensor norms by
-``torch._foreach_norm``, then the norm of those. It is installed only where megatron-core
-chose its own fallback (with apex or TE present, nothing changes), on CPU and GPU alike.
-Numerically it is the same two-level norm; on CPU ``_foreach_norm`` runs the same per-tensor
-kernel, so CPU results are bit-identical to the fallback's (tested).
+1-element fp32 tensor, None)``) and the same bits: the per-tensor norms are the fallback's own
+``torch.norm`` calls, left on the device (no sync each), and the norm of those is taken on the
+host, as the fallback takes it, after one device-to-host copy of all of them. That is one sync per
+step where the fallback has one per parameter, and megatron-core syncs right after anyway
+(``get_grad_norm_fp32`` ends in ``.item()``). (An earlier version took the second norm on the
+device with ``torch._foreach_norm``: the same on CPU, but the last float32 bit differed from
+megatron-core's on a GPU.) It is installed only where megatron-core chose its own fallback (with
+apex or TE present, nothing changes), on CPU and GPU alike.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ _applied = False
 
 def device_l2_norm(chunk_size, noop_flag, tensor_lists: List[List[torch.Tensor]], per_tensor,
                    *args):
-    """``amp_C.multi_tensor_l2norm``'s contract without leaving the device.
+    """``amp_C.multi_tensor_l2norm``'s contract, with the bits of megatron-core's fallback.
 
     Returns ``(norm, None)``: ``norm`` is the L2 norm of every tensor in ``tensor_lists``, fp32,
     shape ``(1,)``, on the tensors' device. ``per_tensor`` norms are not supported (megatron-core
@@ -42,12 +45,14 @@ def device_l2_norm(chunk_size, noop_flag, tensor_lists: List[List[torch.Tensor]]
     """
     if per_tensor:
         raise ValueError("device_l2_norm: per-tensor norms were requested (per_tensor=True)")
-    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
-    if not tensors:
+    if not any(tensor_lists):
         raise ValueError("device_l2_norm: no tensors (megatron-core checks for none before)")
-    norms = torch._foreach_norm(tensors)
-    stacked = torch.stack([n.to(torch.float32) for n in norms])
-    return torch.linalg.vector_norm(stacked).reshape(1), None
+    device = next(t.device for tensor_list in tensor_lists for t in tensor_list)
+    # the fallback's torch.tensor(l2) of 0-d device tensors: the same values and shape, one copy
+    per_tensor_norms = torch.stack([torch.stack([torch.norm(t) for t in tensor_list])
+                                    for tensor_list in tensor_lists]).cpu()
+    total = torch.norm(per_tensor_norms)
+    return total.reshape(1).to(device=device, dtype=torch.float), None
 
 
 def apply() -> bool:

@@ -61,7 +61,7 @@ _AT_LEAST = (
     ("lr_warmup_samples", 0), ("lr_decay_samples", 1), ("vocab_size", 1),
     ("make_vocab_size_divisible_by", 1), ("hysteresis", 1), ("ckpt_step", 0),
     ("rotary_base", 1), ("zeropp_qwz_block_size", 1), ("zeropp_qgz_block_size", 1),
-    ("recompute_num_layers", 1), ("seed", 0),
+    ("recompute_num_layers", 1), ("seed", 1),
 )
 # (flag, low, high): finite floats in [low, high]; None = unbounded on that side.
 _IN_RANGE = (

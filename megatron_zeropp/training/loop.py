@@ -19,6 +19,7 @@ from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.errors import StartupError
 from megatron_zeropp.topology import build_topology
+from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
 from .arguments import parse_args, print_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
@@ -270,6 +271,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     world, rank = dist.get_world_size(), dist.get_rank()
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size, args.seed)
+    warm_up_as_megatron_lm(args, args.tensor_model_parallel_size, default_device())
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)

@@ -213,6 +213,8 @@ def _schedule(args, dp: int, errors: List[str]) -> None:
                       "--lr-wsd-decay-samples (--train-samples)")
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
         errors.append(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    if not errors:
+        _warmup_within_decay(args, errors)
     if args.rampup_batch_size is not None:
         start, incr, samples = args.rampup_batch_size
         step = args.micro_batch_size * dp
@@ -224,6 +226,22 @@ def _schedule(args, dp: int, errors: List[str]) -> None:
         elif start % step or incr % step:
             errors.append(f"--rampup-batch-size {start} {incr} {samples}: START and INCREMENT "
                           f"must be multiples of --micro-batch-size x DP = {step}")
+
+
+def _warmup_within_decay(args, errors: List[str]) -> None:
+    # megatron-core's OptimizerParamScheduler asserts it (a traceback at start otherwise)
+    import argparse
+
+    decay_iters = args.lr_decay_iters or args.train_iters
+    steps = lr_schedule_steps(argparse.Namespace(**{**vars(args), "lr_decay_iters": decay_iters}))
+    if steps["lr_warmup_steps"] >= steps["lr_decay_steps"]:
+        iters = args.train_samples is None
+        unit, flag = ("iterations", "--lr-decay-iters") if iters else ("samples",
+                                                                         "--lr-decay-samples")
+        scale = args.global_batch_size if iters else 1
+        errors.append(f"the LR warm-up ({steps['lr_warmup_steps'] / scale:g} {unit}) must be "
+                      f"shorter than the LR decay ({steps['lr_decay_steps'] / scale:g} {unit}: "
+                      f"{flag}, default the whole run)")
 
 
 def iterations_for_samples(args) -> int:
