@@ -27,6 +27,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-m16 .whl/m16/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-mlm .mlm/wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site-m16:$REPO:/tmp/site-mlm
+# Megatron-LM's initialize runs `make` in megatron/core/datasets; the wheel ships the helpers
+# already built (helpers_cpp) but no Makefile, so give it one with nothing to do.
+printf 'all:\n\t@true\n' > /tmp/site-m16/megatron/core/datasets/Makefile
 MLM=/tmp/mlm16
 rm -rf "$MLM" && cp -r .mlm/core_v0.16.1 "$MLM" && (cd "$MLM" && git apply "$REPO/patches/megatron_lm_core_v0.16.1.patch") || exit 1
 

@@ -25,7 +25,7 @@ case ${PRESET:-1.3b} in
   small) SIZE="--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512
           --max-position-embeddings 512" ;;
 esac
-MODEL="$SIZE --micro-batch-size $MB --global-batch-size $GBS --bf16
+MODEL="$SIZE --micro-batch-size $MB --global-batch-size $GBS --bf16 --grad-reduce-in-bf16
   --lr 1e-4 --train-iters $ITERS --log-interval 1 --eval-interval 100000 --eval-iters 0
   --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 --seed 1234
   --ranks-per-node $RPN --overlap-grad-reduce"

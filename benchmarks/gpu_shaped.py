@@ -66,11 +66,11 @@ PRESETS: Dict[str, List[str]] = {
     # The 1.3B GPT measured by hand (../shared/docs/gpu-shaping.md) and in gpu_pretrain.sh.
     "1.3b": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
              "--seq-length", "2048", "--max-position-embeddings", "2048",
-             "--micro-batch-size", "4", "--bf16"] + _DATA,
+             "--micro-batch-size", "4", "--bf16", "--grad-reduce-in-bf16"] + _DATA,
     # Seconds per iteration even on CPU: for smoke runs of the driver itself.
     "tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "64", "--max-position-embeddings", "64",
-             "--micro-batch-size", "2", "--bf16"] + _DATA,
+             "--micro-batch-size", "2", "--bf16", "--grad-reduce-in-bf16"] + _DATA,
 }
 # Every configuration overlaps its gradient reduction with the backward pass (megatron-core's
 # --overlap-grad-reduce; for the ZeRO++ layer the same flag makes its reductions asynchronous),

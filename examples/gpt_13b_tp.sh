@@ -8,6 +8,7 @@
 #                                                       ranks per node; drop --zeropp-hpz or use
 #                                                       TP 2 if memory is short)
 #   grads    bf16 buffer          2 M      =  6.5 GB   (full size, as megatron-core's DDP)
+#            (--grad-reduce-in-bf16; without it --bf16 keeps fp32 gradients, 4 M, as Megatron-LM)
 #   optimizer fp32 main + Adam    12 M / Z =  1.2 GB
 set -euo pipefail
 DATA=${DATA:-/data/pile_text_document}
@@ -18,7 +19,7 @@ exec python pretrain_gpt.py \
     --max-position-embeddings 2048 \
     --micro-batch-size 2 --global-batch-size 1024 \
     --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2000 --train-iters 100000 \
-    --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 \
+    --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 \
     --data-path 1.0 "$DATA" --split 969,30,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
     --save checkpoints/gpt13b --load checkpoints/gpt13b --load-optional --save-interval 500 \

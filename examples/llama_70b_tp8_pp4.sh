@@ -8,6 +8,7 @@
 #                                                       saves no cross-node traffic here beyond
 #                                                       ZeRO-3's; leave --zeropp-hpz off with TP 8)
 #   grads    bf16 buffer          2 M      =  4.4 GB   (full size, as megatron-core's DDP)
+#            (--grad-reduce-in-bf16; without it --bf16 keeps fp32 gradients, 4 M, as Megatron-LM)
 #   optimizer fp32 main + Adam    12 M / Z =  3.3 GB
 # With TP 8 every DP rank is on its own node, so qwZ and qgZ carry all the savings.
 set -euo pipefail
@@ -21,7 +22,7 @@ exec python pretrain_gpt.py \
     --disable-bias-linear --seq-length 4096 --max-position-embeddings 4096 \
     --micro-batch-size 1 --global-batch-size 1024 \
     --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 2000 \
-    --train-iters 250000 --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 \
+    --train-iters 250000 --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 \
     --data-path 1.0 "$DATA" --split 969,30,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER" \
     --save checkpoints/llama70b --load checkpoints/llama70b --load-optional --save-interval 250 \

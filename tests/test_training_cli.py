@@ -81,6 +81,16 @@ def test_a_valid_command_line_fills_megatron_defaults():
     assert swiglu.ffn_hidden_size == 192  # 8/3 * 64 rounded up to a multiple of 64
 
 
+def test_bf16_reduces_gradients_in_fp32_unless_asked_as_megatron_lm():
+    assert parse_args(BASE + ["--bf16"], world_size=1).accumulate_allreduce_grads_in_fp32
+    assert not parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16"],
+                          world_size=1).accumulate_allreduce_grads_in_fp32
+    assert not parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16",
+                                  "--accumulate-allreduce-grads-in-fp32"],
+                          world_size=1).accumulate_allreduce_grads_in_fp32
+    assert not parse_args(BASE + ["--fp16"], world_size=1).accumulate_allreduce_grads_in_fp32
+
+
 @pytest.mark.parametrize(
     "extra, world, message",
     [

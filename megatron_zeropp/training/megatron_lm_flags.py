@@ -19,8 +19,6 @@ ALWAYS_ON = {
     "no_gradient_accumulation_fusion": "gradient accumulation fusion is never used (CPU-safe)",
     "no_create_attention_mask_in_dataloader": "causal masks are always built inside attention "
                                               "(unless --reset-attention-mask needs one)",
-    "grad_reduce_in_bf16": "bf16 gradients are reduced in bf16 unless "
-                           "--accumulate-allreduce-grads-in-fp32",
 }
 """Flags accepted as no-ops, with why this project already does what they ask."""
 
@@ -158,6 +156,12 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
         errors.append("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.tokenizer_type == "TikTokenizer" and not args.tokenizer_model:
         errors.append("--tokenizer-type TikTokenizer needs --tokenizer-model (a tiktoken vocab)")
+    # As Megatron-LM's validate_args: --bf16 accumulates and reduces gradients in fp32 unless
+    # --grad-reduce-in-bf16 (which wins over --accumulate-allreduce-grads-in-fp32 there too).
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+    elif args.grad_reduce_in_bf16:
+        warnings.append("--grad-reduce-in-bf16 has no effect without --bf16")
     for flag, reason in ALWAYS_ON.items():
         if getattr(args, flag):
             warnings.append(f"--{flag.replace('_', '-')} has no effect: {reason}")
