@@ -314,6 +314,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
                "final_val_loss": [], "test_loss": [], "qgz_error": []}
     stats = IntervalStats()
+    lines_logged = 0
     collector = ManualGC(args)
     clock = ExitClock(args.exit_duration_in_mins, start_time)
     # (on an exception the handlers stay: the process is ending)
@@ -376,14 +377,19 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                        loss_scale=loss_scale, grad_norm=result.grad_norm,
                        num_zeros=result.num_zeros, params_norm=norm, world_size=world,
                        seconds=seconds, throughput=flops / seconds / world / 1e12)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        # Megatron-LM logs the first iteration of every run and does not reset after it: the
+        # next line averages from that first iteration on (its training_log's should_reset).
+        first_line = not lines_logged
+        if iteration % args.log_interval == 0 or iteration == args.train_iters or first_line:
+            lines_logged += 1
             _log(training_log_line(iteration, args.train_iters, consumed, stats, lr, batch,
                                    loss_scale, result.grad_norm, flops, world, tokens,
                                    log_throughput=args.log_throughput,
                                    num_zeros=result.num_zeros, params_norm=norm,
                                    decoupled_lr=_decoupled_lr(args, optimizer),
                                    qgz_error=qgz_error["total"] if qgz_error else None))
-            stats = IntervalStats()
+            if not first_line:
+                stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
             collector.eval_boundary()
             val = _evaluate(chunks, args, valid_ds, dp_group, pp_group, evals_done, nmb, device)
