@@ -42,7 +42,7 @@ COMMON=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 25
         --use-distributed-optimizer --transformer-impl local --no-masked-softmax-fusion
         --no-persist-layer-norm --no-rope-fusion --no-gradient-accumulation-fusion
         --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --log-interval 1
-        --eval-iters 0 --eval-interval 100000 --seed 1234)
+        --eval-iters 2 --eval-interval 10 --seed 1234)
 ZEROPP=(--zeropp-qwz --zeropp-hpz --zeropp-qgz)
 port=29600
 for run in $RUNS; do

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
-    """Masked mean of the per-token losses of one micro-batch.
+    """Masked mean of the per-token losses of one micro-batch, and its report ``[sum, tokens]``.
 
     ``per_token`` (``--calculate-per-token-loss``): the masked sum and the token count instead,
     as Megatron-LM returns them; megatron-core then divides the gradients by the tokens of the
@@ -28,9 +28,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: b
         total = torch.sum(losses.view(-1) * mask)
         tokens = mask.sum().detach().to(torch.int)
         return total, tokens, {"lm loss": torch.stack([total.detach(), mask.sum().detach()])}
-    loss = torch.sum(losses.view(-1) * mask) / mask.sum().clamp(min=1.0)
-    # The schedule divides the returned loss in place by the number of micro-batches: report a copy.
-    return loss, {"lm loss": loss.detach().clone()}
+    total = torch.sum(losses.view(-1) * mask)
+    loss = total / mask.sum().clamp(min=1.0)
+    # Reported as Megatron-LM reports it: [masked sum, tokens], summed over the micro-batches and
+    # DP ranks, then divided (a token-weighted mean; its printed digits are Megatron-LM's).
+    return loss, {"lm loss": torch.stack([total.detach(), mask.sum().detach()])}
 
 
 def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model):
@@ -60,32 +62,24 @@ class StepResult:
     """Zeros in the gradient, when the optimizer counts them."""
 
 
-def _per_token(model_chunks) -> bool:
-    return bool(getattr(getattr(model_chunks[0], "config", None), "calculate_per_token_loss",
-                        False))
-
-
-def _mean_loss(losses: List[Dict[str, torch.Tensor]], dp_group, pp_group,
-               per_token: bool = False) -> float:
-    # Only the last pipeline stage sees losses; sum over PP (others contribute 0), mean over DP.
-    # Per-token losses arrive as [sum, tokens]: sum both everywhere, then divide.
-    if losses and per_token:
-        local = torch.stack([d["lm loss"].float() for d in losses]).sum(0)
-    elif losses:
-        local = torch.stack([d["lm loss"].float() for d in losses]).mean().view(1)
+def loss_sums(losses: List[Dict[str, torch.Tensor]], dp_group, pp_group) -> torch.Tensor:
+    """``[masked loss sum, tokens]`` (fp32) of the global batch, on every rank, as Megatron-LM's
+    train_step and evaluate reduce them: stacked over micro-batches and summed, then summed over
+    DP (and over PP, where only the last stage has losses and the others add zeros)."""
+    if losses:
+        local = torch.vstack([d["lm loss"].float().view(-1) for d in losses]).sum(dim=0)
     else:
-        local = torch.zeros(2 if per_token else 1)
-    device = losses[0]["lm loss"].device if losses else _device()
-    local = local.to(device)
+        local = torch.zeros(2, device=_device())
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(local, group=pp_group)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(local, group=dp_group)
-        if local.numel() == 1:
-            local /= dist.get_world_size(dp_group)
-    if local.numel() == 2:
-        return float((local[0] / local[1].clamp(min=1)).item())
-    return float(local.item())
+    return local
+
+
+def mean_of(sums: torch.Tensor) -> float:
+    """The token-weighted mean loss of :func:`loss_sums` (as Megatron-LM divides it, in fp32)."""
+    return float((sums[0] / sums[1].clamp(min=1)).item())
 
 
 def _device():
@@ -134,7 +128,7 @@ def train_step(
         model_chunks, data_iterator, num_microbatches, seq_length, micro_batch_size, False
     )
     ok, grad_norm, num_zeros = optimizer.step()
-    loss = _mean_loss(losses, dp_group, pp_group, _per_token(model_chunks))
+    loss = mean_of(loss_sums(losses, dp_group, pp_group))
     return StepResult(
         loss=loss,
         grad_norm=None if grad_norm is None else float(grad_norm),
@@ -147,9 +141,9 @@ def train_step(
 def eval_step(
     model_chunks, data_iterator, num_microbatches, seq_length, micro_batch_size,
     dp_group=None, pp_group=None,
-) -> float:
-    """Forward-only pass; returns the mean LM loss over the batch."""
+) -> torch.Tensor:
+    """Forward-only pass; returns :func:`loss_sums` ``[loss sum, tokens]`` of the batch."""
     losses = run_microbatches(
         model_chunks, data_iterator, num_microbatches, seq_length, micro_batch_size, True
     )
-    return _mean_loss(losses, dp_group, pp_group, _per_token(model_chunks))
+    return loss_sums(losses, dp_group, pp_group)

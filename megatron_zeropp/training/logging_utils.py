@@ -75,7 +75,7 @@ def training_log_line(
     n = max(stats.iterations, 1)
     ms = stats.seconds / n * 1000.0
     tflops = flops_per_iteration / (stats.seconds / n) / world_size / 1e12 if stats.seconds else 0
-    loss = stats.loss_sum / stats.loss_count if stats.loss_count else float("nan")
+    loss = stats.loss_sum / max(stats.loss_count, 1)
     tokens_per_s = tokens_per_iteration / (stats.seconds / n) if stats.seconds else 0.0
     parts = [
         f" [{timestamp()}] iteration {iteration:8d}/{train_iters:8d}",
@@ -87,11 +87,10 @@ def training_log_line(
     parts.append(f"learning rate: {lr:.6E}")
     if decoupled_lr is not None:
         parts.append(f"decoupled learning rate: {decoupled_lr:.6E}")
-    parts += [
-        f"global batch size: {global_batch_size:5d}",
-        f"lm loss: {loss:.6E}",
-        f"loss scale: {loss_scale:.1f}",
-    ]
+    parts.append(f"global batch size: {global_batch_size:5d}")
+    if loss > 0.0:  # as Megatron-LM: no loss field when every step was skipped (or NaN)
+        parts.append(f"lm loss: {loss:.6E}")
+    parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
     if num_zeros is not None:

@@ -8,6 +8,7 @@ import time
 import warnings
 from typing import Callable, Iterator, List, Optional
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -23,7 +24,7 @@ from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
 from .arguments import parse_args, print_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
-from .gpt_step import eval_step, train_step
+from .gpt_step import eval_step, mean_of, train_step
 from .logging_utils import (
     IntervalStats,
     TensorBoard,
@@ -157,11 +158,15 @@ def _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb,
     it = _batches(dataset, args, ps.get_data_parallel_rank(), dp, max(start, 0), device)
     for chunk in model_chunks:
         chunk.eval()
-    losses = [eval_step(model_chunks, it, nmb, args.seq_length, args.micro_batch_size,
-                        dp_group, pp_group) for _ in range(args.eval_iters)]
+    # [loss sum, tokens] added up over the eval iterations and divided once, as Megatron-LM's
+    # evaluate does (a token-weighted mean, in fp32)
+    total = torch.zeros(2, device=device)
+    for _ in range(args.eval_iters):
+        total += eval_step(model_chunks, it, nmb, args.seq_length, args.micro_batch_size,
+                           dp_group, pp_group)
     for chunk in model_chunks:
         chunk.train()
-    return sum(losses) / len(losses)
+    return mean_of(total)
 
 
 def _load(args, load_iteration, chunks, optimizer, scheduler):
@@ -353,10 +358,13 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                 append_qgz_error(args.zeropp_qgz_error_log, iteration, qgz_error)
         stats.iterations += 1
         stats.skipped += int(result.skipped)
-        if result.loss == result.loss:
-            stats.loss_sum += result.loss
+        # As Megatron-LM's training_log: a skipped step's loss is not averaged (a non-finite one
+        # counts as a nan iteration); the others are added up in fp32, as it adds them on the
+        # device.
+        if not result.skipped:
+            stats.loss_sum = float(numpy.float32(stats.loss_sum) + numpy.float32(result.loss))
             stats.loss_count += 1
-        else:
+        elif not numpy.isfinite(result.loss):
             stats.nan += 1
         if hasattr(model, "comm_counts"):
             stats.add_bytes(model.comm_counts(reset=True))
