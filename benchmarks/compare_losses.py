@@ -30,8 +30,9 @@ def read(path):
 def main(argv) -> None:
     root, runs = argv[0], argv[1:]
     logs = {r: read(os.path.join(root, f"{r}.log")) for r in runs}
-    iters = sorted(set().union(*[set(v) for v in logs.values()]), key=str)
-    iters = [i for i in iters if isinstance(i, int)] + [i for i in iters if isinstance(i, str)]
+    keys = set().union(*[set(v) for v in logs.values()])
+    iters = sorted(k for k in keys if isinstance(k, int)) + sorted(
+        (k for k in keys if isinstance(k, str)), key=lambda k: int(k.split()[1]))
     print("| iteration | " + " | ".join(f"{r} loss / grad norm" for r in runs) + " |")
     print("|---" * (len(runs) + 1) + "|")
     for i in iters:
