@@ -88,19 +88,28 @@ class DiffReference:
         return sum(c.untyped_storage().nbytes() for c in self.copies if c is not None)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, weight_version: int) -> dict:
         """The owner's half and the counters (all a resume needs: the receivers' half is the
-        concatenation of the owners' halves)."""
+        concatenation of the owners' halves). ``current``: ŵ already belongs to the layer's
+        ``weight_version`` (the optimizer step prefetched this unit's next gather), so the
+        resumed forward must read it as it is rather than send another difference."""
+        self.unit.wait()  # a prefetched difference may still be writing the slice
         valid = self.base is not None and self.unit.secondary.fresh(self.base)
         return {"valid": valid, "since_exact": self.since_exact, "sent": self.sent,
+                "current": valid and self.base == weight_version,
                 "owner": [self.owner_half(k).detach().cpu().clone() if valid else None
                           for k in range(len(self.unit.shards))]}
 
-    def restore(self, state: dict, base_version: int) -> None:
+    def restore(self, state: dict, weight_version: int) -> None:
         """Rebuild both halves from every rank's saved owner half: one exact all-gather of them
-        per bucket (collective over the DP group, like a load), tagged ``base_version`` (any
-        version the next forward will not read at)."""
+        per bucket (collective over the DP group, like a load). Tagged ``weight_version`` when
+        the saved ŵ was already the next step's (:meth:`state_dict`), else one below it, a
+        version the next forward does not read at: it then sends differences."""
         self.since_exact, self.sent = state["since_exact"], state["sent"]
+        base_version = weight_version if state["current"] else weight_version - 1
+        if base_version < 0:
+            raise ValueError(f"restoring a qwZ difference reference at weight version "
+                             f"{weight_version}: the layer must have loaded weights first")
         if not state["valid"]:
             self.drop()
             return
