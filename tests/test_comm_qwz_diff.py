@@ -147,8 +147,9 @@ CASES = [  # (dtype, bits, stochastic, segments)
 ]
 
 
-@pytest.mark.parametrize("nodes,rpn,cases", [(2, 1, CASES), (2, 2, CASES[::3]),
-                                             (1, 2, CASES[1:2])])
+# Each dtype / width / rounding once (on 2 cores the pure-torch reference per step is the cost).
+@pytest.mark.parametrize("nodes,rpn,cases", [(2, 1, [CASES[0], CASES[3]]), (2, 2, [CASES[2]]),
+                                             (1, 2, [CASES[1]])])
 def test_holders_equal_owner_reconstruction_after_50_steps(nodes, rpn, cases):
     for case in cases:
         for rank, res in enumerate(run_distributed(_diff_worker, nodes, rpn, args=case)):
