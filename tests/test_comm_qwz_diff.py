@@ -22,7 +22,7 @@ U = 2.0**-24
 
 def _segments(z):
     # Parameters of odd sizes that straddle rows, and small ones (< 100 elements) sent exactly.
-    sizes, total, out, pos, i = [], z * ROW, [], 0, 0
+    total, out, pos, i = z * ROW, [], 0, 0
     while pos < total:
         size = (37, 700, 64, 1500, 91)[i % 5]
         out.append((pos, min(pos + size, total)))

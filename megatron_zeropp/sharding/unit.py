@@ -19,7 +19,8 @@ Where a gather reads from (:meth:`ShardedUnit.start_gather`): the hpZ secondary 
 the current weight version, the primary shards over the whole DP group otherwise (qwZ when on),
 which then refreshes the secondary. So with hpZ the first gather of a unit in an optimizer step
 crosses nodes and every later one (its backward, the other micro-batches) stays in the node, and
-all of them see the same bits.
+all of them see the same bits. With ``qwz_diff_bits`` that first gather sends weight differences
+against the secondary, which then holds the new reconstruction (``comm/qwz_diff.py``).
 
 The unit is the one owner of its state machine: storage (released / gathering / gathered), who
 uses the weights (forward users, a running backward), which gradients are still to come, and the
@@ -398,7 +399,10 @@ class ShardedUnit:
         shards over the whole DP group, through qwZ when it is on, and then keeps this rank's
         slice as the new secondary. Both give the same bits, so autograd sees one set of weights
         and every micro-batch of a step computes with the same weights. ``phase="exact"`` always
-        reads the primary shards unquantized and leaves the secondary alone.
+        reads the primary shards unquantized and leaves the secondary alone. With
+        ``qwz_diff_bits`` the cross-node gather sends differences into the secondary in place
+        and then reads it (:class:`~.diff_reference.DiffReference`), or, without a reference,
+        gathers the 16-bit weights exactly.
         """
         if self.state is not UnitState.RELEASED:
             raise RuntimeError(f"unit {self.name}: gather started while {self.state.value}")
