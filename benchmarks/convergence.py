@@ -70,6 +70,11 @@ GPU_CONFIGS = {
     "qgz-first-50%": _ALL3 + ["--zeropp-qgz-fraction", "0.5"],
     "qgz+error-feedback": _ALL3 + ["--zeropp-qgz-error-feedback"],
     "qgz+hadamard": _ALL3 + ["--zeropp-qgz-hadamard"],
+    # qwZ sending INT4 weight differences (issue 23), beside plain qwZ; two seeds each.
+    "qwz+hpz-seed1235": ["--zeropp-qwz", "--zeropp-hpz", "--seed", "1235"],
+    "qwz-diff4+hpz": ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qwz-diff-bits", "4"],
+    "qwz-diff4+hpz-seed1235": ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qwz-diff-bits", "4",
+                               "--seed", "1235"],
 }
 
 

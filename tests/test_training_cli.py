@@ -32,6 +32,7 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-qgz-intra-bits --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size
 --zeropp-shard-grads --zeropp-small-param-threshold --zeropp-unit
 --zeropp-qgz-stochastic-rounding --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
+--zeropp-qwz-diff-bits --zeropp-qwz-diff-exact-interval
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""

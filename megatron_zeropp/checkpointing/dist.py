@@ -49,7 +49,7 @@ from megatron_zeropp.mcore.checkpoint import (
 )
 from megatron_zeropp.optimizer import distributed_optimizers
 
-from . import checks, qgz_residuals
+from . import checks, qgz_residuals, qwz_diff_reference
 from .legacy import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
 
 CHECKPOINT_VERSION = 3.0
@@ -208,6 +208,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     if model_config is not None and dist.get_rank() == 0:
         checks.write_model_config(tmp, model_config)
     qgz_residuals.save(tmp, model_chunks)
+    qwz_diff_reference.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
 
 
@@ -313,6 +314,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_rng:
         _set_rng(loaded["rng_state"])
     qgz_residuals.load(directory, model_chunks)
+    qwz_diff_reference.load(directory, model_chunks)
     return it, getattr(ckpt_args, "consumed_train_samples", 0)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron_zeropp.mcore.optimizer import copy_main_params_to_model_params, param_range
 from megatron_zeropp.optimizer import distributed_optimizers
 
-from . import checks, qgz_residuals
+from . import checks, qgz_residuals, qwz_diff_reference
 
 FORMAT_VERSION = 1
 LATEST = "latest_checkpointed_iteration.txt"
@@ -148,6 +148,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
     qgz_residuals.save(tmp, model_chunks)
+    qwz_diff_reference.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
 
 
@@ -332,6 +333,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     if load_rng and single and first.get("rng") is not None:
         _set_rng_state(first["rng"])
     qgz_residuals.load(directory, model_chunks)
+    qwz_diff_reference.load(directory, model_chunks)
     return it, first["consumed_samples"]
 
 

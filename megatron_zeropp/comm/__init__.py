@@ -13,6 +13,7 @@ from .hpz import SecondaryPartition, SecondaryWeights, StaleSecondaryError
 from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter, qgz_residual_input
 from .qgz_feedback import QgzResidual
 from .qwz import qwz_all_gather
+from .qwz_diff import qwz_diff_all_gather
 from .work import CommHandle
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "qgz_reduce_scatter",
     "qgz_residual_input",
     "qwz_all_gather",
+    "qwz_diff_all_gather",
     "zero3_all_gather",
     "zero3_reduce_scatter",
 ]

@@ -140,6 +140,26 @@ class SecondaryPartition:
         self._version = int(version)
         self._write_tag(self._version)
 
+    def slice_tensor(self) -> torch.Tensor:
+        """This rank's stored slice (``slice_numel`` elements of ``dtype``), a view: what
+        :func:`~megatron_zeropp.comm.qwz_diff.qwz_diff_all_gather` updates in place. Write it
+        only between :meth:`begin_update` and the next gather."""
+        return self._buf[: self._slice_bytes].view(self.dtype)
+
+    def begin_update(self, version: int) -> None:
+        """The slice is about to be updated in place to the weights of ``version``: wait for
+        in-flight gathers that read it, then tag it (the update itself is queued before any
+        later gather, in program order)."""
+        _check_version(version)
+        self._drain()
+        self._version = int(version)
+        self._write_tag(self._version)
+
+    def track(self, handle) -> None:
+        """An async call that writes the slice: later refreshes and updates wait for it."""
+        if handle is not None:
+            self._inflight.append(handle)
+
     def invalidate(self) -> None:
         """Mark the slice unusable (after an optimizer step, checkpoint load, weight change)."""
         self._drain()
@@ -292,3 +312,9 @@ class SecondaryWeights:
     def storage_bytes(self) -> int:
         """Bytes kept on this rank (slices and version tags), from the live storages."""
         return sum(p.storage_bytes() for p in self.partitions)
+
+    def begin_update(self, version: int) -> None:
+        """Every partition is about to be updated in place to ``version``
+        (:meth:`SecondaryPartition.begin_update`)."""
+        for p in self.partitions:
+            p.begin_update(version)

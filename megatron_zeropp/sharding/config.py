@@ -56,6 +56,18 @@ class ZeroPPConfig:
     """Round qwZ's weight quantization stochastically, keyed by (``rounding_seed``, weight
     version, DP rank, bucket): every gather of a step (forward, backward, micro-batches) sees
     the same bits, each step new ones."""
+    qwz_diff_bits: int = 0
+    """Send each step's first weight gather of a unit as block-quantized *differences*
+    ``Q(w_t - ŵ_{t-1})`` against the receivers' previous reconstruction ŵ (the hpZ secondary,
+    updated in place), at 4 or 8 bits; 0 = off (absolute qwZ). The owner keeps ŵ for its
+    primary shard, so every rank's weights equal the owner's ŵ bit for bit and ``ŵ - w`` stays
+    one difference's quantization error (:mod:`megatron_zeropp.comm.qwz_diff`). Needs ``qwz``
+    and ``hpz``. The first gather (and one after a weight load without a saved ŵ) is an exact
+    16-bit gather."""
+    qwz_diff_exact_interval: int = 0
+    """With ``qwz_diff_bits``: every this many steps a unit's first gather is an exact 16-bit
+    gather instead of a difference (a guard; the error does not accumulate without it). 0 =
+    only where no reference exists."""
     rounding_seed: int = 1234
     """Seed of the stochastic rounding (the same on every rank)."""
     qgz_fraction: float = 1.0
@@ -135,6 +147,17 @@ class ZeroPPConfig:
             raise ValueError("qgz_stochastic_rounding=True needs qgZ, which is off (qgz=False)")
         if self.qwz_stochastic_rounding and not self.qwz:
             raise ValueError("qwz_stochastic_rounding=True needs qwZ, which is off (qwz=False)")
+        if self.qwz_diff_bits not in (0, 4, 8):
+            raise ValueError(f"qwz_diff_bits must be 0 (off), 4 or 8, got {self.qwz_diff_bits!r}")
+        if self.qwz_diff_bits and not (self.qwz and self.hpz):
+            raise ValueError(
+                f"qwz_diff_bits={self.qwz_diff_bits} needs qwZ and hpZ (the receivers' reference "
+                f"is the hpZ secondary), got qwz={self.qwz} hpz={self.hpz}")
+        k = self.qwz_diff_exact_interval
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"qwz_diff_exact_interval must be an int >= 0, got {k!r}")
+        if k and not self.qwz_diff_bits:
+            raise ValueError(f"qwz_diff_exact_interval={k} needs qwz_diff_bits, which is 0")
         seed = self.rounding_seed
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"rounding_seed must be an int >= 0, got {seed!r}")
@@ -151,7 +174,13 @@ class ZeroPPConfig:
         parts = []
         if self.qwz:
             sr = " stochastic" if self.qwz_stochastic_rounding else ""
-            parts.append(f"qwZ INT{self.qwz_bits}/{self.qwz_block_size}{sr}")
+            if self.qwz_diff_bits:
+                every = (f", exact every {self.qwz_diff_exact_interval}"
+                         if self.qwz_diff_exact_interval else "")
+                parts.append(f"qwZ differences INT{self.qwz_diff_bits}/{self.qwz_block_size}"
+                             f"{sr}{every}")
+            else:
+                parts.append(f"qwZ INT{self.qwz_bits}/{self.qwz_block_size}{sr}")
         if self.hpz:
             size = "node" if self.hpz_partition_size is None else self.hpz_partition_size
             parts.append(f"hpZ({size})")

@@ -20,7 +20,9 @@ Data flow of one unit (≈ one transformer layer) in one training step::
                         see mcore/optimizer.py);
                         start_param_sync() then bumps the weight version, which makes every
                         hpZ secondary stale (reading it raises) until the next forward gather,
-                        and starts the next forward's first gathers.
+                        and starts the next forward's first gathers. With qwz_diff_bits that
+                        gather sends differences against the secondary, updated in place
+                        (comm/qwz_diff.py, sharding/diff_reference.py).
 
 The methods megatron-core's schedules, ``finalize_model_grads`` and ``DistributedOptimizer`` call
 (``no_sync``, ``start_grad_sync``, ``finish_grad_sync``, ``start_param_sync``,
@@ -415,6 +417,14 @@ class ZeroPPDataParallel(BaseDataParallel):
         for unit in self.units:
             unit.release()
 
+    def drop_diff_references(self) -> None:
+        """The primary shards were replaced from outside the optimizer (a load, a broadcast):
+        with ``qwz_diff_bits`` the next first gather of every unit is an exact one, since the
+        receivers' reconstruction no longer follows from the owners' differences."""
+        for unit in self.units:
+            if unit.diff is not None:
+                unit.diff.drop()
+
     def weights_changed(self) -> None:
         """Declare the primary shards changed: bump the version, drop gathered weights."""
         self.release_all()
@@ -438,6 +448,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         finally:
             if write_back:
                 self.weights_changed()
+                self.drop_diff_references()
             else:
                 self.release_all()
 
@@ -481,6 +492,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         if is_sharded_load(state_dict):
             load_sharded(self, state_dict, self._sharded_metadata)
             self.start_param_sync(force_sync=True)
+            self.drop_diff_references()
             return None
         with self.gathered_parameters(write_back=True):
             return self.module.load_state_dict(state_dict, strict=strict)

@@ -19,7 +19,8 @@ Where a gather reads from (:meth:`ShardedUnit.start_gather`): the hpZ secondary 
 the current weight version, the primary shards over the whole DP group otherwise (qwZ when on),
 which then refreshes the secondary. So with hpZ the first gather of a unit in an optimizer step
 crosses nodes and every later one (its backward, the other micro-batches) stays in the node, and
-all of them see the same bits.
+all of them see the same bits. With ``qwz_diff_bits`` that first gather sends weight differences
+against the secondary, which then holds the new reconstruction (``comm/qwz_diff.py``).
 
 The unit is the one owner of its state machine: storage (released / gathering / gathered), who
 uses the weights (forward users, a running backward), which gradients are still to come, and the
@@ -41,6 +42,7 @@ from megatron_zeropp.comm import (
     qgz_reduce_scatter,
     qgz_residual_input,
     qwz_all_gather,
+    qwz_diff_all_gather,
     zero3_all_gather,
     zero3_reduce_scatter,
 )
@@ -49,6 +51,7 @@ from megatron_zeropp.comm.work import run_protocol
 from megatron_zeropp.quant.rounding import derive_key
 
 from .config import ZeroPPConfig
+from .diff_reference import DiffReference
 from .qgz_error import QgzErrorMeter, exact_chunk
 from .shard_map import ParamShard, ShardMap
 
@@ -82,6 +85,7 @@ class ShardComm:
         self._buckets = 0
         self._reductions: Dict[int, int] = {}
         self._reductions_iteration = 0
+        self.holders = _hpz_holders(topology, groups, config) if config.qwz_diff_bits else None
 
     def register_bucket(self) -> int:
         """A new bucket's id for the stochastic rounding keys."""
@@ -93,6 +97,13 @@ class ShardComm:
             return None
         # The weight version, not a call count: every gather of a step gets the same bits.
         return derive_key(self.config.rounding_seed, 0, version or 0, self.dp_rank, bucket_id)
+
+    def _diff_key(self, bucket_id: int, sent: int) -> Optional[int]:
+        if not self.config.qwz_stochastic_rounding:
+            return None
+        # The unit's count of differences sent (saved with checkpoints), not the weight
+        # version (which a resumed run numbers differently): a resume rounds the same way.
+        return derive_key(self.config.rounding_seed, 2, sent, self.dp_rank, bucket_id)
 
     def _qgz_key(self, bucket_id: Optional[int]) -> Optional[int]:
         if not self.config.qgz_stochastic_rounding or bucket_id is None:
@@ -132,7 +143,7 @@ class ShardComm:
         ``version`` key the stochastic rounding (when on)."""
         if phase == "exact":
             return zero3_all_gather(output, shard, self.dp_group, async_op)
-        if self.config.qwz:
+        if self.config.qwz and not self.config.qwz_diff_bits:
             return qwz_all_gather(
                 output, shard, self.dp_group, async_op,
                 bits=self.config.qwz_bits, block_size=self.config.qwz_block_size,
@@ -140,6 +151,17 @@ class ShardComm:
                 rounding_key=self._qwz_key(bucket_id, version),
             )
         return zero3_all_gather(output, shard, self.dp_group, async_op, stats=self.stats[phase])
+
+    def gather_differences(self, slice_out, shard, reference, phase: str, async_op: bool,
+                           segments, bucket_id: int, sent: int):
+        """qwZ differences of one bucket (``qwz_diff_bits``): this rank's primary shard against
+        its ŵ ``reference``, into every holder's secondary slice ``slice_out`` in place."""
+        return qwz_diff_all_gather(
+            slice_out, shard, self.dp_group, async_op, reference=reference,
+            holders=self.holders, bits=self.config.qwz_diff_bits,
+            block_size=self.config.qwz_block_size, stats=self.stats[phase], segments=segments,
+            rounding_key=self._diff_key(bucket_id, sent),
+        )
 
     def reduce_gradients(self, output, input, async_op: bool, key: Optional[str] = None,
                          residual: Optional[QgzResidual] = None, segments=None,
@@ -222,6 +244,17 @@ class ShardComm:
         return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
 
 
+def _hpz_holders(topology, groups, config) -> tuple:
+    """The hpZ slice each DP group rank holds (its index in its hpZ group), from the topology:
+    where each owner's differences must go."""
+    out = []
+    hpz_groups = topology.hpz_groups(config.hpz_partition_size)
+    for rank in groups.dp_ranks:
+        group = next(g for g in hpz_groups if rank in g)
+        out.append(list(group).index(rank))
+    return tuple(out)
+
+
 def bucket_segments(buffers, exact_below: int) -> List[tuple]:
     """Per bucket of ``buffers`` (in order), its parameters as ``(start, end, exact)`` segments
     (:func:`~megatron_zeropp.comm.segments.param_segments`), from megatron-core's
@@ -291,6 +324,9 @@ class ShardedUnit:
         self._qgz_residuals: Optional[List[QgzResidual]] = (
             [QgzResidual() for _ in self.buckets] if comm.config.qgz_error_feedback else None
         )
+        self.diff: Optional[DiffReference] = None
+        if comm.config.qwz_diff_bits:
+            self.diff = DiffReference(self, comm.holders, comm.config.qwz_diff_exact_interval)
         self.state = UnitState.GATHERED
         self.version: Optional[int] = None  # weight version of the gathered data
         self._handles: list = []
@@ -347,6 +383,8 @@ class ShardedUnit:
         }
         if self._qgz_residuals is not None:
             out["qgz_residual"] = sum(r.nbytes() for r in self._qgz_residuals)
+        if self.diff is not None:
+            out["qwz_diff_reference"] = self.diff.nbytes()
         return out
 
     def gathered_bytes(self) -> int:
@@ -361,7 +399,10 @@ class ShardedUnit:
         shards over the whole DP group, through qwZ when it is on, and then keeps this rank's
         slice as the new secondary. Both give the same bits, so autograd sees one set of weights
         and every micro-batch of a step computes with the same weights. ``phase="exact"`` always
-        reads the primary shards unquantized and leaves the secondary alone.
+        reads the primary shards unquantized and leaves the secondary alone. With
+        ``qwz_diff_bits`` the cross-node gather sends differences into the secondary in place
+        and then reads it (:class:`~.diff_reference.DiffReference`), or, without a reference,
+        gathers the 16-bit weights exactly.
         """
         if self.state is not UnitState.RELEASED:
             raise RuntimeError(f"unit {self.name}: gather started while {self.state.value}")
@@ -369,20 +410,51 @@ class ShardedUnit:
         outputs = [b.param_data for b in self.buckets]
         sec = self.secondary
         from_secondary = phase != "exact" and sec is not None and sec.fresh(version)
+        refresh = False
         if from_secondary:
             self._handles = sec.gather_into(
                 outputs, version, async_op, self.comm.stale_flag(outputs[0].device),
                 self.comm.stats[phase],
             )
+        elif phase != "exact" and self.diff is not None and self.diff.ready():
+            self._handles = self._gather_differences(version, phase, async_op, outputs)
+        elif phase != "exact" and self.diff is not None:
+            # No reference yet (first step, after a load or broadcast) or the guard interval:
+            # the 16-bit weights, exactly; they become both halves of the reference.
+            handles = [zero3_all_gather(out, shard, self.comm.dp_group, async_op,
+                                        stats=self.comm.stats[phase])
+                       for out, shard in zip(outputs, self.shards)]
+            self._handles = [h for h in handles if h is not None]
+            self.diff.exact_gathered(version)
+            refresh = True
         else:
             handles = [self.comm.gather_weights(out, shard, phase, async_op, segments, bid,
                                                 version)
                        for out, shard, segments, bid in zip(outputs, self.shards, self.segments,
                                                             self.bucket_ids)]
             self._handles = [h for h in handles if h is not None]
-        self._refresh_after_wait = sec is not None and not from_secondary and phase != "exact"
+            refresh = sec is not None and phase != "exact"
+        self._refresh_after_wait = refresh
         self.state = UnitState.GATHERING
         self.version = version
+
+    def _gather_differences(self, version: int, phase: str, async_op: bool, outputs) -> list:
+        """This step's differences into every holder's secondary slice (in place, then tagged
+        ``version``), then the full weights from the node's slices (hpZ gather)."""
+        sec, diff = self.secondary, self.diff
+        sec.begin_update(version)
+        handles = []
+        for k, (part, shard) in enumerate(zip(sec.partitions, self.shards)):
+            h = self.comm.gather_differences(part.slice_tensor(), shard, diff.reference(k),
+                                             phase, async_op, self.segments[k],
+                                             self.bucket_ids[k], diff.sent)
+            if h is not None:
+                part.track(h)
+                handles.append(h)
+        diff.differences_sent(version)
+        return handles + sec.gather_into(outputs, version, async_op,
+                                         self.comm.stale_flag(outputs[0].device),
+                                         self.comm.stats[phase])
 
     def wait(self) -> None:
         """Finish an in-flight gather (on CUDA: order the current stream after it); refresh the

@@ -169,6 +169,14 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qwz-stochastic-rounding", action="store_true",
                    help="round qwZ's weight quantization stochastically (the same bits for "
                    "every gather of a step)")
+    g.add_argument("--zeropp-qwz-diff-bits", type=int, choices=(0, 4, 8), default=0,
+                   help="qwZ sends each step's weight differences against the receivers' "
+                   "previous reconstruction (the hpZ secondary) at 4 or 8 bits instead of the "
+                   "absolute weights; needs --zeropp-qwz --zeropp-hpz. 0 = off")
+    g.add_argument("--zeropp-qwz-diff-exact-interval", type=int, default=0,
+                   help="with --zeropp-qwz-diff-bits: an exact 16-bit gather every N steps "
+                   "(a guard); 0 = only where no reference exists (first step, after a load "
+                   "without a saved reference)")
     g.add_argument("--zeropp-rounding-seed", type=int, default=1234,
                    help="seed of the stochastic rounding")
     g.add_argument("--zeropp-small-param-threshold", type=int, default=100_000,
@@ -379,6 +387,8 @@ def zeropp_config(args):
         qgz_stochastic_rounding=args.zeropp_qgz_stochastic_rounding,
         qwz_stochastic_rounding=args.zeropp_qwz_stochastic_rounding,
         rounding_seed=args.zeropp_rounding_seed,
+        qwz_diff_bits=args.zeropp_qwz_diff_bits,
+        qwz_diff_exact_interval=args.zeropp_qwz_diff_exact_interval,
     )
 
 
