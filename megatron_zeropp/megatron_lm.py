@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from typing import Callable, List, Optional
 
 from megatron_zeropp.sharding.config import ZeroPPConfig
+from megatron_zeropp.sharding.config_flags import PREFIX, add_zeropp_flags, config_from_args
+from megatron_zeropp.sharding.config_flags import flag as _flag
 from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
 
-PREFIX = "zeropp_"
 SWITCHES = ("qwz", "hpz", "qgz", "shard_grads")
 """ZeroPPConfig fields that, set, ask for the layer (besides ``--zeropp-zero3``)."""
 
@@ -41,35 +41,19 @@ _LOOP_ONLY = {
 }
 
 
-def _flag(name: str) -> str:
-    return "--" + (PREFIX + name).replace("_", "-")
-
-
 # -- arguments --------------------------------------------------------------------------------
 def add_arguments(parser):
     """Add the ``--zeropp-*`` flags to Megatron-LM's parser and return it (an
     ``extra_args_provider``). One flag per :class:`ZeroPPConfig` field, generated from the
     dataclass so the two never drift; plus ``--zeropp-zero3`` (plain ZeRO-3, no ZeRO++
     technique) and ``--zeropp-ranks-per-node``."""
-    hints = typing.get_type_hints(ZeroPPConfig)
     g = parser.add_argument_group("ZeRO++ (megatron_zeropp)")
     g.add_argument("--zeropp-zero3", action="store_true",
                    help="use the ZeRO-3 layer (weights, gradients and optimizer state sharded "
                         "over the data-parallel group) without qwZ/hpZ/qgZ")
     g.add_argument("--zeropp-ranks-per-node", type=int, default=None,
                    help="ranks per node for hpZ/qgZ; default LOCAL_WORLD_SIZE from torchrun")
-    for field in dataclasses.fields(ZeroPPConfig):
-        kind = hints[field.name]
-        default = field.default
-        helptext = f"ZeroPPConfig.{field.name} (default {default!r})"
-        if kind is bool:
-            g.add_argument(_flag(field.name), action="store_true", help=helptext)
-        elif field.name == "unit":
-            g.add_argument(_flag(field.name), choices=("layer", "chunk"), default=default,
-                           help=helptext)
-        else:
-            base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
-            g.add_argument(_flag(field.name), type=base, default=default, help=helptext)
+    add_zeropp_flags(g)
     return parser
 
 
@@ -96,9 +80,8 @@ def zeropp_config(args) -> ZeroPPConfig:
     messages name the flags)."""
     from megatron_zeropp.training.arg_checks import zeropp_flag_names
 
-    values = {f.name: getattr(args, PREFIX + f.name) for f in dataclasses.fields(ZeroPPConfig)}
     try:
-        return ZeroPPConfig(**values)
+        return config_from_args(args)
     except ValueError as e:
         raise ValueError(zeropp_flag_names(str(e))) from None
 

@@ -164,10 +164,14 @@ def test_flag_values_reach_the_config():
         prefetch_depth=2, unit="chunk")
 
 
-def test_bad_value_is_named_by_its_flag():
-    args = _parser().parse_args(["--zeropp-qwz", "--zeropp-qwz-bits", "6"])
-    with pytest.raises(ValueError, match="--zeropp-qwz-bits must be 4 or 8, got 6"):
+def test_bad_value_is_named_by_its_flag(capsys):
+    args = _parser().parse_args(["--zeropp-qwz", "--zeropp-qwz-block-size", "100"])
+    with pytest.raises(ValueError, match="--zeropp-qwz-block-size must be a power of two in "
+                                         r"\[32, 4096\], got 100"):
         megatron_lm.zeropp_config(args)
+    with pytest.raises(SystemExit):  # a value outside the field's choices: argparse's own line
+        _parser().parse_args(["--zeropp-qwz", "--zeropp-qwz-bits", "6"])
+    assert "--zeropp-qwz-bits: invalid choice: 6" in capsys.readouterr().err
 
 
 def test_provider_chains_the_existing_one():

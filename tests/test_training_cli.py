@@ -32,7 +32,7 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-qgz-intra-bits --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size
 --zeropp-shard-grads --zeropp-small-param-threshold --zeropp-unit
 --zeropp-qgz-stochastic-rounding --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
---zeropp-qwz-diff-bits --zeropp-qwz-diff-exact-interval
+--zeropp-qwz-diff-bits --zeropp-qwz-diff-exact-interval --zeropp-qgz-hadamard-seed
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""
@@ -80,6 +80,25 @@ def test_a_valid_command_line_fills_megatron_defaults():
     assert args.lr_decay_iters == 10
     swiglu = parse_args(BASE + ["--swiglu"], world_size=1)
     assert swiglu.ffn_hidden_size == 192  # 8/3 * 64 rounded up to a multiple of 64
+
+
+def test_zeropp_flags_are_the_same_here_and_in_a_patched_megatron_lm():
+    import argparse
+
+    from megatron_zeropp import megatron_lm
+
+    def options(parser):
+        return {o: (a.type, a.default, a.choices, a.const) for a in parser._actions
+                for o in a.option_strings if o.startswith("--zeropp-")}
+
+    ours = options(build_parser())
+    theirs = options(megatron_lm.add_arguments(argparse.ArgumentParser()))
+    shared = set(ours) & set(theirs)
+    assert len(shared) >= 20 and all(ours[o] == theirs[o] for o in shared)
+    # only the entry points' own extras differ
+    assert set(ours) - shared == {"--zeropp-qgz-error-log"}
+    assert set(theirs) - shared == {"--zeropp-zero3", "--zeropp-ranks-per-node"}
+    assert ours["--zeropp-qwz-bits"] == (int, 8, (4, 8), None)
 
 
 def test_bf16_reduces_gradients_in_fp32_unless_asked_as_megatron_lm():

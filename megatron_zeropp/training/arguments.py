@@ -15,6 +15,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron_zeropp.sharding.config_flags import add_zeropp_flags, config_from_args
+
 from . import arg_checks, megatron_lm_flags, megatron_lm_rules, safety_flags
 from .profiling import add_profile_args, validate_profile_args
 
@@ -151,65 +153,14 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-impl", choices=("zeropp", "megatron"), default="zeropp",
                    help="zeropp: our ZeRO-3 layer (the --zeropp-* flags switch qwZ/hpZ/qgZ); "
                         "megatron: megatron-core's DDP + distributed optimizer, for comparison")
-    g.add_argument("--zeropp-qwz", action="store_true", help="quantized weight all-gather")
-    g.add_argument("--zeropp-qwz-bits", type=int, choices=(4, 8), default=8)
-    g.add_argument("--zeropp-qwz-block-size", type=int, default=256)
-    g.add_argument("--zeropp-hpz", action="store_true", help="node-local secondary weights")
-    g.add_argument("--zeropp-hpz-partition-size", type=int, default=None)
-    g.add_argument("--zeropp-qgz", action="store_true", help="quantized 2-hop gradient reduction")
-    g.add_argument("--zeropp-qgz-intra-bits", type=int, choices=(4, 8), default=8,
-                   help="qgZ intra-node hop width (runs only with several DP ranks per node; "
-                   "INT8 by default, the inter-node hop INT4)")
-    g.add_argument("--zeropp-qgz-inter-bits", type=int, choices=(4, 8), default=4)
-    g.add_argument("--zeropp-qgz-block-size", type=int, default=128)
-    g.add_argument("--zeropp-qgz-stochastic-rounding", action="store_true",
-                   help="round qgZ's quantizations (both hops) stochastically (unbiased); "
-                   "random numbers from --zeropp-rounding-seed, the iteration, the DP rank and "
-                   "the bucket, so reruns are bit-identical")
-    g.add_argument("--zeropp-qwz-stochastic-rounding", action="store_true",
-                   help="round qwZ's weight quantization stochastically (the same bits for "
-                   "every gather of a step)")
-    g.add_argument("--zeropp-qwz-diff-bits", type=int, choices=(0, 4, 8), default=0,
-                   help="qwZ sends each step's weight differences against the receivers' "
-                   "previous reconstruction (the hpZ secondary) at 4 or 8 bits instead of the "
-                   "absolute weights; needs --zeropp-qwz --zeropp-hpz. 0 = off")
-    g.add_argument("--zeropp-qwz-diff-exact-interval", type=int, default=0,
-                   help="with --zeropp-qwz-diff-bits: an exact 16-bit gather every N steps "
-                   "(a guard); 0 = only where no reference exists (first step, after a load "
-                   "without a saved reference)")
-    g.add_argument("--zeropp-rounding-seed", type=int, default=1234,
-                   help="seed of the stochastic rounding")
-    g.add_argument("--zeropp-small-param-threshold", type=int, default=100_000,
-                   help="parameters with fewer elements (norms, biases) travel exactly in the "
-                   "qwZ gather and the qgZ reduction; larger ones are quantized in blocks that "
-                   "never span two parameters. 0 = quantize every parameter")
-    g.add_argument("--zeropp-qgz-fraction", type=float, default=1.0,
-                   help="use qgZ for the first fraction of --train-iters only")
-    g.add_argument("--zeropp-qgz-hadamard", action="store_true",
-                   help="rotate each qgZ block by a randomized Hadamard transform before "
-                   "quantizing (smooths outliers for INT4); same bytes, one inverse rotation "
-                   "per output chunk")
-    g.add_argument("--zeropp-qgz-error-feedback", action="store_true",
-                   help="qgZ error feedback: each rank keeps the fp32 residual of what it "
-                   "quantized and adds it to the next step's gradient (4 bytes per gradient "
-                   "element per rank)")
-    g.add_argument("--zeropp-qgz-error-interval", type=int, default=0,
-                   help="diagnostic: on iteration 1 and every N-th iteration measure each "
-                   "layer's relative error of the qgZ reduction against an extra (uncounted) "
-                   "fp32 reduction of the same gradients; logged as 'qgz relative error'. "
-                   "0 = off")
+    add_zeropp_flags(g)  # one per ZeroPPConfig field
     g.add_argument("--zeropp-qgz-error-log", default=None, metavar="PATH",
                    help="with --zeropp-qgz-error-interval: rank 0 appends one JSON line per "
                    "measured iteration (per-layer and total relative error) to PATH")
-    g.add_argument("--zeropp-shard-grads", action="store_true",
-                   help="reduce each layer's gradients in every micro-batch into an fp32 shard "
-                   "of 1/DP (less memory; more bytes with gradient accumulation)")
-    g.add_argument("--zeropp-prefetch-depth", type=int, default=1)
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initialize the weights on the host (Megatron-LM's flag); with the ZeRO++ "
                    "layer each unit then goes to the GPU on its own and is sharded at once, so "
                    "the model chunk is never whole on the GPU")
-    g.add_argument("--zeropp-unit", choices=("layer", "chunk"), default="layer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
 
 
@@ -370,26 +321,7 @@ def validate(args, world_size: int) -> List[str]:
 
 def zeropp_config(args):
     """ZeroPPConfig from the --zeropp-* flags."""
-    from megatron_zeropp.sharding.config import ZeroPPConfig
-
-    return ZeroPPConfig(
-        qwz=args.zeropp_qwz, qwz_bits=args.zeropp_qwz_bits,
-        qwz_block_size=args.zeropp_qwz_block_size,
-        hpz=args.zeropp_hpz, hpz_partition_size=args.zeropp_hpz_partition_size,
-        qgz=args.zeropp_qgz, qgz_intra_bits=args.zeropp_qgz_intra_bits,
-        qgz_inter_bits=args.zeropp_qgz_inter_bits, qgz_block_size=args.zeropp_qgz_block_size,
-        qgz_fraction=args.zeropp_qgz_fraction, prefetch_depth=args.zeropp_prefetch_depth,
-        unit=args.zeropp_unit, shard_grads=args.zeropp_shard_grads,
-        qgz_error_interval=args.zeropp_qgz_error_interval,
-        qgz_error_feedback=args.zeropp_qgz_error_feedback,
-        qgz_hadamard=args.zeropp_qgz_hadamard,
-        small_param_threshold=args.zeropp_small_param_threshold,
-        qgz_stochastic_rounding=args.zeropp_qgz_stochastic_rounding,
-        qwz_stochastic_rounding=args.zeropp_qwz_stochastic_rounding,
-        rounding_seed=args.zeropp_rounding_seed,
-        qwz_diff_bits=args.zeropp_qwz_diff_bits,
-        qwz_diff_exact_interval=args.zeropp_qwz_diff_exact_interval,
-    )
+    return config_from_args(args)
 
 
 def params_dtype(args) -> torch.dtype:
