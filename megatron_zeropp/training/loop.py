@@ -197,7 +197,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         load_iteration, tokenizer_args = _startup_checks(args)
     except StartupError as e:
         error = str(e)
-    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend,
+                     share_gpu=args.ranks_share_gpu)
     try:
         _agree_at_start(args, load_iteration, error)
         history = _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration)
