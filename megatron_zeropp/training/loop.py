@@ -287,6 +287,9 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     if rank == 0:
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
+        if args.ranks_share_gpu:
+            print(f"> numerics lab: {world} ranks share {default_device()} (gloo; the layer's "
+                  f"collectives staged through host memory)", flush=True)
         if fallback_summary():
             print(fallback_summary(), flush=True)
     config = transformer_config(args)
