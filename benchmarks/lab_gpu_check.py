@@ -7,13 +7,15 @@ For the device machine (one GPU). Three checks, each a pretrain_gpt.py run throu
    staged copies follow the lanes' stream order, or a rerun would read a half-written buffer);
 2. **one rank, staged vs NCCL**: 1 x 1 through the lab (gloo, staged) and as a plain
    pretrain_gpt.py run (NCCL); the same numbers expected (no sum crosses ranks);
-3. **cost per rank**: the ``--size`` model at 1 x 2, 2 x 2 and 2 x 4 (or ``--layouts``): ms per
-   iteration, the allocator's peak per rank (the log's ``peak memory (GB)``, CUDA context not
-   included) and the whole GPU's used memory from ``nvidia-smi`` while it ran.
+3. **cost per rank**: each ``--sizes`` model (default the study's reduced 23M GPT and the 124M
+   one) at each ``--layouts`` (default 2 x 2 and 2 x 4): ms per iteration, the allocator's peak
+   per rank (the log's ``peak memory (GB)``, CUDA context not included) and the whole GPU's used
+   memory from ``nvidia-smi`` while it ran.
 
     python benchmarks/lab_gpu_check.py --out $OUT/lab_gpu_check.json
 
-Prints one line per check and writes the numbers to ``--out``; exit code 1 if check 1 or 2 fails.
+Prints one line per check and rewrites ``--out`` after each (a run stopped at its time limit
+still leaves what it measured); exit code 1 if check 1 or 2 fails.
 """
 
 from __future__ import annotations
@@ -91,15 +93,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="lab_gpu_check.json")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--size", default="small", choices=sorted(SIZES))
-    p.add_argument("--layouts", nargs="+", default=["1x2", "2x2", "2x4"])
-    p.add_argument("--cost-iters", type=int, default=15)
+    p.add_argument("--sizes", nargs="+", default=["small", "124m"], choices=sorted(SIZES))
+    p.add_argument("--layouts", nargs="+", default=["2x2", "2x4"])
+    p.add_argument("--cost-iters", type=int, default=10)
     args = p.parse_args(argv)
     logs = os.path.dirname(os.path.abspath(args.out))
     report: Dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     tiny = SIZES["tiny"] + FLAGS + ["--train-iters", str(args.iters),
                                     "--global-batch-size", "8"]
     ok = True
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
 
     a = run(lab_command(2, 2, tiny), os.path.join(logs, "rerun_a.log"))
     b = run(lab_command(2, 2, tiny), os.path.join(logs, "rerun_b.log"))
@@ -109,6 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"1. 2x2 lab rerun identical over {args.iters} iterations: {same} "
           f"(rc {a['rc']}, {b['rc']}; {a['wall_s']} s, {b['wall_s']} s)", flush=True)
     ok &= same
+    save()
 
     one = tiny[:-1] + ["2"]  # global batch 2: one rank, one micro-batch
     lab1 = run(lab_command(1, 1, one), os.path.join(logs, "one_rank_lab.log"))
@@ -118,24 +125,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"2. 1x1 lab (gloo, staged) equals NCCL: {same1} (rc {lab1['rc']}, {nccl1['rc']})",
           flush=True)
     ok &= same1
+    save()
 
     report["cost"] = {}
-    for layout in args.layouts:
+    for size, layout in ((s, lay) for s in args.sizes for lay in args.layouts):
         k, n = map(int, layout.split("x"))
         z = k * n
-        mbs = int(SIZES[args.size][SIZES[args.size].index("--micro-batch-size") + 1])
-        flags = SIZES[args.size] + FLAGS + ["--train-iters", str(args.cost_iters),
-                                            "--global-batch-size", str(mbs * z)]
-        r = run(lab_command(k, n, flags), os.path.join(logs, f"cost_{layout}.log"))
+        mbs = int(SIZES[size][SIZES[size].index("--micro-batch-size") + 1])
+        flags = SIZES[size] + FLAGS + ["--train-iters", str(args.cost_iters),
+                                       "--global-batch-size", str(mbs * z)]
+        r = run(lab_command(k, n, flags), os.path.join(logs, f"cost_{size}_{layout}.log"))
         ms = sorted(it["ms"] for it in r["iterations"][3:] if it.get("ms"))
         peak = max((it.get("peak_gb") or 0 for it in r["iterations"]), default=None)
         row = {"rc": r["rc"], "ranks": z, "median_ms": ms[len(ms) // 2] if ms else None,
                "allocator_peak_gb_per_rank": peak, "gpu_used_peak_mb": r["gpu_used_peak_mb"],
                "wall_s": r["wall_s"]}
-        report["cost"][layout] = row
-        print(f"3. {args.size} at {layout}: {row}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+        report["cost"][f"{size} {layout}"] = row
+        print(f"3. {size} at {layout}: {row}", flush=True)
+        save()
     return 0 if ok else 1
 
 

@@ -5,9 +5,9 @@ memory (``comm/common.py``). Here the same staged path is forced on CPU tensors
 (``set_host_staging(True)``, what ``--ranks-share-gpu`` sets) and compared with the direct path
 over 20 iterations of the tiny GPT, all three techniques on (with stochastic rounding, so the
 rounding keys travel too), at 2 x 1 and 2 x 2; and ZeRO-3 (flags off: the plain reduce-scatter)
-at 2 x 2. Equality is torch.equal on every loss, grad norm and final weight. The negative control
-flips the lowest bit of every byte of one staged transfer (on one rank, once in 20 iterations, at 2 x 2) and
-must be caught by the same comparison on every rank.
+at 2 x 2 over 6. Equality is torch.equal on every loss, grad norm and final weight. The negative
+control flips the lowest bit of every byte of one staged transfer (on one rank, once in 20
+iterations, at 2 x 2) and must be caught by the same comparison on every rank.
 """
 
 import pytest
@@ -78,18 +78,25 @@ def _same(a, b):
         torch.equal(params_a[n], params_b[n]) for n in params_a)
 
 
-def _each(ctx, runs, steps):
-    """:func:`_lab_vs_direct` per (config, corrupt_call) in one set of processes (``build``
-    re-seeds, so each starts from the same weights)."""
-    return {name: _lab_vs_direct(ctx, cfg, steps, corrupt) for name, (cfg, corrupt) in runs.items()}
+def _each(ctx, runs):
+    """:func:`_lab_vs_direct` per (config, steps, corrupt_call) in one set of processes
+    (``build`` re-seeds, so each starts from the same weights)."""
+    return {name: _lab_vs_direct(ctx, cfg, steps, corrupt)
+            for name, (cfg, steps, corrupt) in runs.items()}
+
+
+# ZeRO-3's plain reduce-scatter moves fp32 gradients unchanged through the staging: a few steps
+# show a wrong offset or split as well as twenty.
+ZERO3_STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def layouts():
-    both = {"all_three": (ALL_THREE, CORRUPT_CALL), "zero3": (ZeroPPConfig(), 0)}
-    return {"2x1": run_distributed(_each, 2, 1, args=({"all_three": (ALL_THREE, 0)}, STEPS),
+    runs = {"all_three": (ALL_THREE, STEPS, CORRUPT_CALL),
+            "zero3": (ZeroPPConfig(), ZERO3_STEPS, 0)}
+    return {"2x1": run_distributed(_each, 2, 1, args=({"all_three": (ALL_THREE, STEPS, 0)},),
                                    timeout=300),
-            "2x2": run_distributed(_each, 2, 2, args=(both, STEPS), timeout=300)}
+            "2x2": run_distributed(_each, 2, 2, args=(runs,), timeout=300)}
 
 
 @pytest.fixture(params=["2x1", "2x2"])
@@ -114,7 +121,7 @@ def test_negative_control_one_corrupted_transfer_is_caught(layouts):
 
 def test_zero3_reduce_scatter_staged_bit_for_bit(layouts):
     for rank, o in enumerate(out["zero3"] for out in layouts["2x2"]):
-        assert o["staged_calls"] > STEPS * 2, (rank, o["staged_calls"])
+        assert o["staged_calls"] > ZERO3_STEPS * 2, (rank, o["staged_calls"])
         assert _same(o["direct"], o["staged"]), rank
 
 
