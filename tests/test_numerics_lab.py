@@ -125,17 +125,63 @@ def test_zero3_reduce_scatter_staged_bit_for_bit(layouts):
         assert _same(o["direct"], o["staged"]), rank
 
 
+# torch.distributed calls that can carry tensors. On the GPU the lab hands CUDA tensors to gloo
+# wherever a call is not staged by comm/common.py; ProcessGroupGloo implements only some
+# operations for CUDA tensors (all-reduce, broadcast, list all-gather, gather, scatter,
+# all-to-all; no reduce-scatter, no point-to-point), so a lab run must make no other call.
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+                "reduce_scatter_single", "all_to_all", "all_to_all_single", "reduce", "gather",
+                "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+                "all_gather_object", "broadcast_object_list", "gather_object",
+                "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced")
+# Unstaged calls a lab run may make: gloo's CUDA all-reduce and broadcast, and what works on
+# host data whatever the model's device (barrier; object collectives, which gloo runs on CPU).
+GLOO_CUDA_SAFE = {"all_reduce", "broadcast", "barrier", "all_gather_object",
+                  "broadcast_object_list", "gather_object"}
+
+
+def _record_collectives():
+    """Wrap torch.distributed's tensor collectives to count calls by (name, staged?): staged
+    when made by comm/common.py while host staging is on, direct otherwise."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_zeropp.comm import host_staging_forced
+
+    seen = {}
+    staging = os.path.join("megatron_zeropp", "comm", "common.py")
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            staged = caller.endswith(staging) and host_staging_forced()
+            key = f"{_name} {'staged' if staged else 'direct'}"
+            seen[key] = seen.get(key, 0) + 1
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    return seen
+
+
 def _pretrain(ctx, argv):
     from megatron_zeropp.comm import host_staging_forced
     from megatron_zeropp.training.loop import pretrain
 
+    seen = _record_collectives()
     history = pretrain(argv)
-    return history, host_staging_forced()
+    return history, host_staging_forced(), seen
 
 
-def test_pretrain_gpt_with_ranks_share_gpu_equals_without():
+def test_pretrain_gpt_with_ranks_share_gpu_equals_without(tmp_path):
     # The whole launch path of the lab (flag -> init_distributed -> staging), at 2 x 2 with the
-    # new defaults and stochastic rounding: same losses, grad norms and validation losses.
+    # new defaults and stochastic rounding, saving as the lab study does (torch format, to
+    # resume across device calls): same losses, grad norms and validation losses.
     argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
             "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters 10 "
             "--log-interval 1 --eval-interval 5 --eval-iters 2 "
@@ -143,11 +189,23 @@ def test_pretrain_gpt_with_ranks_share_gpu_equals_without():
             "--ranks-per-node 2 --zeropp-qwz --zeropp-hpz "
             "--zeropp-qgz --zeropp-qgz-stochastic-rounding --zeropp-small-param-threshold 1000"
             ).split()
-    lab = run_distributed(_pretrain, 2, 2, args=(argv + ["--ranks-share-gpu"],), timeout=300)
-    direct = run_distributed(_pretrain, 2, 2, args=(argv,), timeout=300)
-    assert [staged for _, staged in lab] == [True] * 4
-    assert [staged for _, staged in direct] == [False] * 4
-    (h_lab, _), (h_direct, _) = lab[0], direct[0]
+    save = ["--ckpt-format", "torch", "--save-interval", "5", "--save"]
+    lab = run_distributed(_pretrain, 2, 2, args=(
+        argv + save + [str(tmp_path / "lab"), "--ranks-share-gpu"],), timeout=300)
+    direct = run_distributed(_pretrain, 2, 2, args=(argv + save + [str(tmp_path / "direct")],),
+                             timeout=300)
+    assert [staged for _, staged, _ in lab] == [True] * 4
+    assert [staged for _, staged, _ in direct] == [False] * 4
+    (h_lab, _, seen), (h_direct, _, seen_direct) = lab[0], direct[0]
     assert len(h_lab["loss"]) == 10 and h_lab["val_loss"]
     for key in ("loss", "grad_norm", "skipped", "val_loss", "final_val_loss"):
         assert h_lab[key] == h_direct[key], key
+    # What a lab run leaves to gloo unstaged is what gloo runs on CUDA tensors; the recorder
+    # sees calls at all (the staged ones, the loss and grad-norm all-reduces).
+    direct_calls = {k.split()[0] for k in seen if k.endswith("direct")}
+    assert direct_calls <= GLOO_CUDA_SAFE, sorted(direct_calls - GLOO_CUDA_SAFE)
+    assert "all_reduce" in direct_calls and any(k.endswith("staged") for k in seen), seen
+    # Negative control: without the lab the layer's own gathers reach gloo unstaged, and the
+    # same check refuses them.
+    unstaged = {k.split()[0] for k in seen_direct if k.endswith("direct")}
+    assert not unstaged <= GLOO_CUDA_SAFE, seen_direct
