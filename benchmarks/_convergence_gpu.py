@@ -38,7 +38,13 @@ MODEL_124M = ["--num-layers", "12", "--hidden-size", "896", "--num-attention-hea
 MODEL_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
               "--attention-dropout", "0"]
-MODELS = {"124m": MODEL_124M, "tiny": MODEL_TINY}
+# The reduced configuration of the one-GPU lab study (benchmarks/convergence_lab.py): 6 layers,
+# hidden 512, sequence 512: 18.9M parameters in the layers + 4.2M in the embeddings (8k vocab).
+MODEL_SMALL = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8",
+               "--ffn-hidden-size", "2048", "--seq-length", "512",
+               "--max-position-embeddings", "512", "--hidden-dropout", "0",
+               "--attention-dropout", "0"]
+MODELS = {"124m": MODEL_124M, "small": MODEL_SMALL, "tiny": MODEL_TINY}
 # Gradients accumulated and reduced in fp32 for every configuration, so that ZeRO-3 with and
 # without --zeropp-shard-grads differ only in the order of the same fp32 sums.
 TRAINING = ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "6e-4", "--min-lr", "6e-5",
@@ -92,17 +98,25 @@ class GpuRun:
 
 def job_argv(run: GpuRun, name: str) -> List[str]:
     """pretrain_gpt.py and its flags for one configuration (resumes from its own checkpoint)."""
+    return [PRETRAIN, "--ranks-per-node", str(run.gpus // 2)] + job_flags(run, name)
+
+
+def job_flags(run, name: str) -> List[str]:
+    """pretrain_gpt.py's flags for configuration ``name`` of ``run`` (a :class:`GpuRun` or the
+    lab's ``LabRun``) but the layout: model, training, data, evaluation, its own checkpoint
+    directory to resume from, its seed (1234 unless the configuration gives one), then the
+    configuration's flags."""
     ckpt = os.path.join(run.run_dir, name, "ckpt")
     flags = list(run.configs[name])
     seed = [] if "--seed" in flags else ["--seed", "1234"]
-    return [PRETRAIN] + MODELS[run.model] + TRAINING + [
+    return MODELS[run.model] + TRAINING + [
         "--train-data-path", run.data_prefix[0], "--valid-data-path", run.data_prefix[1],
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(run.vocab_size),
         "--micro-batch-size", str(run.micro_batch_size),
         "--global-batch-size", str(run.global_batch_size),
         "--train-iters", str(run.train_iters), "--lr-warmup-iters", str(run.warmup_iters),
         "--eval-interval", str(run.eval_interval), "--eval-iters", str(run.eval_iters),
-        "--ranks-per-node", str(run.gpus // 2), "--save", ckpt, "--load", ckpt,
+        "--save", ckpt, "--load", ckpt,
         # each job its own index cache: jobs start together, and sharing megatron-core's
         # default cache next to the data let one read the .npy another was still writing
         "--data-cache-path", os.path.join(run.run_dir, name, "data_cache"),
@@ -126,17 +140,19 @@ def job_command(run: GpuRun, name: str, port: int) -> List[str]:
             job_argv(run, name))
 
 
-def run_all(run: GpuRun, grace_s: float = 120.0, echo=print) -> Dict[str, Optional[int]]:
+def run_all(run: GpuRun, grace_s: float = 120.0, echo=print,
+            command=None) -> Dict[str, Optional[int]]:
     """Start every configuration's job, wait for all; returns exit codes (None: killed).
 
     Jobs stop themselves after ``minutes`` (saving a checkpoint); one that has not ended
-    ``grace_s`` later is killed, and the others keep running when one fails.
+    ``grace_s`` later is killed, and the others keep running when one fails. ``command(run,
+    name, port)`` builds a job's command line (default :func:`job_command`).
     """
     procs = {}
     try:
         for name in run.configs:
             os.makedirs(os.path.join(run.run_dir, name), exist_ok=True)
-            cmd = job_command(run, name, _free_port())
+            cmd = (command or job_command)(run, name, _free_port())
             log = open(os.path.join(run.run_dir, name, "train.log"), "a")
             log.write(f"\n### {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} "
                       f"{shlex.join(cmd)}\n")

@@ -43,22 +43,44 @@ def apply_mcore_patches() -> None:
     grad_norm.apply()
 
 
-def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> str:
+def lab_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU of a rank when ranks share GPUs (the numerics lab): ``LOCAL_RANK`` modulo the
+    visible GPUs, so one GPU takes every rank and G GPUs take ``Z / G`` ranks each."""
+    if device_count < 1:
+        raise ValueError(f"sharing GPUs needs at least one visible GPU, got {device_count}")
+    return local_rank % device_count
+
+
+def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None,
+                     share_gpu: bool = False) -> str:
     """Initialise torch.distributed from torchrun's environment; returns the backend used.
 
     The backend is NCCL when CUDA is available, gloo otherwise (``backend`` overrides). On CUDA the
     device is ``LOCAL_RANK``; on CPU the megatron-core patches are applied before anything of
     megatron-core runs.
+
+    ``share_gpu`` is the numerics lab (``--ranks-share-gpu``): several ranks per GPU
+    (:func:`lab_device_index`), which NCCL refuses, so gloo, with every collective of the ZeRO++
+    layer staged through host memory (:func:`megatron_zeropp.comm.set_host_staging`); without
+    CUDA the same staged path runs on CPU tensors.
     """
     import torch.distributed as dist
 
-    chosen = backend or ("nccl" if cuda_available() else "gloo")
+    from megatron_zeropp.comm import set_host_staging
+
+    chosen = backend or ("nccl" if cuda_available() and not share_gpu else "gloo")
     if chosen not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {chosen!r}")
     if chosen == "nccl" and not cuda_available():
         raise ValueError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False")
+    if chosen == "nccl" and share_gpu:
+        raise ValueError("ranks sharing a GPU need backend 'gloo' (NCCL allows one rank per "
+                         "GPU), got 'nccl'")
+    set_host_staging(share_gpu)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(lab_device_index(local_rank, torch.cuda.device_count())
+                              if share_gpu else local_rank)
     else:
         apply_cpu_patches()
     if not dist.is_initialized():

@@ -16,6 +16,7 @@ SUPPORTED_FLAGS = sorted("""
 --num-attention-heads --num-layers --num-query-groups --optimizer --overlap-grad-reduce
 --overlap-param-gather --pipeline-model-parallel-size --position-embedding-type --profile
 --profile-dir --profile-ranks --profile-step-end --profile-step-start --ranks-per-node
+--ranks-share-gpu
 --recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
 --save --save-interval --load-optional --overwrite-checkpoints --break-save-lock --ckpt-checksums
 --exit-signal-handler
@@ -133,6 +134,13 @@ def test_bf16_reduces_gradients_in_fp32_unless_asked_as_megatron_lm():
          "--zeropp-qgz-error-log e.jsonl needs --zeropp-qgz-error-interval > 0, got 0"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--data-path", "x"], 1, "exactly one data source"),
+        (["--ranks-share-gpu", "--distributed-backend", "nccl"], 2,
+         "--ranks-share-gpu needs --distributed-backend gloo (NCCL allows one rank per GPU), "
+         "got nccl"),
+        (["--ranks-share-gpu", "--tensor-model-parallel-size", "2"], 4,
+         "--ranks-share-gpu runs data parallelism only, got --tensor-model-parallel-size 2"),
+        (["--ranks-share-gpu", "--data-parallel-impl", "megatron"], 2,
+         "--ranks-share-gpu runs the ZeRO++ layer"),
     ],
 )
 def test_conflicts_fail_with_the_values(extra, world, message, capsys):

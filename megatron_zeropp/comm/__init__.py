@@ -9,6 +9,7 @@ for the byte model.
 
 from .accounting import CommStats, StepCounts
 from .baseline import zero3_all_gather, zero3_reduce_scatter
+from .common import host_staging_forced, set_host_staging
 from .hpz import SecondaryPartition, SecondaryWeights, StaleSecondaryError
 from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter, qgz_residual_input
 from .qgz_feedback import QgzResidual
@@ -25,11 +26,13 @@ __all__ = [
     "SecondaryWeights",
     "StaleSecondaryError",
     "StepCounts",
+    "host_staging_forced",
     "qgz_plan",
     "qgz_reduce_scatter",
     "qgz_residual_input",
     "qwz_all_gather",
     "qwz_diff_all_gather",
+    "set_host_staging",
     "zero3_all_gather",
     "zero3_reduce_scatter",
 ]

@@ -42,6 +42,55 @@ def _record_handed(kind: str, group, tensor: torch.Tensor) -> None:
                             tensor.numel() * tensor.element_size())
 
 
+# Host staging: the numerics lab (``--ranks-share-gpu``) runs Z ranks on one GPU, which NCCL
+# refuses (one rank per device), so its collectives go over gloo; gloo has no reduce-scatter for
+# CUDA tensors, and the lab wants one path for all four helpers below anyway. A staged call copies
+# its input to host memory, runs the same collective on the copy and copies the result back: the
+# bytes moved, and so every bit downstream, are those of the direct call. The copies are blocking
+# on the current stream (a protocol's CUDA lane, ``work.py``), which has waited for the caller's
+# stream: the host copy sees the lane's and the caller's last writes, and the device output is
+# written before the lane's completion event is recorded, so ``handle.wait()`` keeps its meaning.
+_FORCE_HOST_STAGING = False
+
+
+def set_host_staging(force: bool) -> None:
+    """Stage every collective of this module through host memory, CPU tensors included.
+
+    Without it, staging happens only where it must (CUDA tensors on a gloo group). Forcing it on
+    CPU runs the numerics lab's exact code path without a GPU: that is how it is tested against
+    the direct path (``tests/test_numerics_lab.py``)."""
+    global _FORCE_HOST_STAGING
+    _FORCE_HOST_STAGING = bool(force)
+
+
+def host_staging_forced() -> bool:
+    """Whether :func:`set_host_staging` forced staging in this process."""
+    return _FORCE_HOST_STAGING
+
+
+def _staged(group, tensor: torch.Tensor) -> bool:
+    if _FORCE_HOST_STAGING:
+        return True
+    return tensor.device.type == "cuda" and dist.get_backend(group) == "gloo"
+
+
+def _host_empty(like: torch.Tensor) -> torch.Tensor:
+    # Pinned where there is a device to copy from (torch caches pinned blocks); the copies stay
+    # blocking, so a block is never handed out again while a transfer still reads it.
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                       pin_memory=like.device.type == "cuda")
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = _host_empty(t)
+    host.copy_(t)
+    return host
+
+
+def _from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    dst.copy_(host)
+
+
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """Synchronous equal-size all-gather of contiguous tensors, as flat buffers.
 
@@ -50,6 +99,11 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """
     _record_handed("all_gather", group, input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if _staged(group, input):
+        host_out = _host_empty(output)
+        fn(host_out.view(-1), _to_host(input).view(-1), group=group)
+        _from_host(output, host_out)
+        return
     fn(output.view(-1), input.view(-1), group=group)
 
 
@@ -57,12 +111,22 @@ def reduce_scatter_from(output: torch.Tensor, input: torch.Tensor, op, group) ->
     """Synchronous equal-size reduce-scatter of contiguous tensors, as flat buffers."""
     _record_handed("reduce_scatter", group, input)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if _staged(group, input):
+        host_out = _host_empty(output)
+        fn(host_out.view(-1), _to_host(input).view(-1), op=op, group=group)
+        _from_host(output, host_out)
+        return
     fn(output.view(-1), input.view(-1), op=op, group=group)
 
 
 def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """Synchronous all-to-all with equal splits along dim 0."""
     _record_handed("all_to_all", group, input)
+    if _staged(group, input):
+        host_out = _host_empty(output)
+        dist.all_to_all_single(host_out, _to_host(input), group=group)
+        _from_host(output, host_out)
+        return
     dist.all_to_all_single(output, input, group=group)
 
 
@@ -74,6 +138,12 @@ def all_to_all_v_into(output: torch.Tensor, input: torch.Tensor, output_splits: 
         protocol, stats = call
         stats.record_handed(protocol, "all_to_all", group_ranks(group), dist.get_rank(),
                             input.numel(), splits=list(input_splits))
+    if _staged(group, input):
+        host_out = _host_empty(output)
+        dist.all_to_all_single(host_out, _to_host(input), output_split_sizes=list(output_splits),
+                               input_split_sizes=list(input_splits), group=group)
+        _from_host(output, host_out)
+        return
     dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
                            input_split_sizes=list(input_splits), group=group)
 

@@ -49,6 +49,30 @@ def layout_errors(args, world_size: int) -> List[str]:
     return errors
 
 
+def shared_gpu_errors(args) -> List[str]:
+    """What ``--ranks-share-gpu`` (the numerics lab) cannot run.
+
+    Its staging covers the ZeRO++ layer's collectives; megatron-core's own tensor- and
+    pipeline-parallel exchanges (reduce-scatters, point-to-point) and its DDP's bucket
+    reduce-scatter would hand CUDA tensors to gloo, which has no such operations for them."""
+    if not args.ranks_share_gpu:
+        return []
+    errors = []
+    if args.distributed_backend == "nccl":
+        errors.append("--ranks-share-gpu needs --distributed-backend gloo (NCCL allows one rank "
+                      "per GPU), got nccl")
+    layout = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
+              "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+              "--context-parallel-size": args.context_parallel_size}
+    beyond = [f"{flag} {value}" for flag, value in layout.items() if value != 1]
+    if beyond:
+        errors.append(f"--ranks-share-gpu runs data parallelism only, got {', '.join(beyond)}")
+    if args.data_parallel_impl == "megatron":
+        errors.append("--ranks-share-gpu runs the ZeRO++ layer (flags off: ZeRO-3), not "
+                      "--data-parallel-impl megatron")
+    return errors
+
+
 # (flag, lowest allowed, inclusive?) for sizes and counts; a value of None means "unset".
 _AT_LEAST = (
     ("num_layers", 1), ("hidden_size", 1), ("num_attention_heads", 1), ("seq_length", 1),

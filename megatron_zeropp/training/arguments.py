@@ -62,7 +62,13 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                    help="ranks per node; default LOCAL_WORLD_SIZE from torchrun. Set it to "
                         "simulate nodes on one host")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="default: nccl with CUDA, gloo without")
+                   help="default: nccl with CUDA, gloo without (and with --ranks-share-gpu)")
+    g.add_argument("--ranks-share-gpu", action="store_true",
+                   help="numerics lab: every rank of a host on GPU LOCAL_RANK mod the visible "
+                        "GPUs (all on one GPU when one is visible), gloo with the layer's "
+                        "collectives staged through host memory; the same quantization, "
+                        "exchanges and summation order as a multi-GPU run "
+                        "(tools/numerics_lab.py launches it; data parallelism only)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
 
@@ -296,6 +302,7 @@ def validate(args, world_size: int) -> List[str]:
                                             world_size % args.ranks_per_node):
         errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "
                       f"{world_size}")
+    errors += arg_checks.shared_gpu_errors(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                       "are mutually exclusive")

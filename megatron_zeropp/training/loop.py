@@ -202,7 +202,8 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
         load_iteration, tokenizer_args = _startup_checks(args)
     except StartupError as e:
         error = str(e)
-    init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
+    init_distributed(args.distributed_timeout_minutes, args.distributed_backend,
+                     share_gpu=args.ranks_share_gpu)
     try:
         _agree_at_start(args, load_iteration, error)
         history = _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration)
@@ -291,6 +292,9 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     if rank == 0:
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
+        if args.ranks_share_gpu:
+            print(f"> numerics lab: {world} ranks share {default_device()} (gloo; the layer's "
+                  f"collectives staged through host memory)", flush=True)
         if fallback_summary():
             print(fallback_summary(), flush=True)
     config = transformer_config(args)

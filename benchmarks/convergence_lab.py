@@ -1,0 +1,244 @@
+"""Convergence of ZeRO++ against ZeRO-3 on real text, with seeds, at any DP on one GPU.
+
+Issue 22's study through the numerics lab (``tools/numerics_lab.py``): each (configuration,
+seed) is one job of Z = ``--nodes`` x ``--ranks-per-node`` ranks sharing this host's GPU
+(``--ranks-share-gpu``), so the quantization, exchange placement and summation order are those
+of a Z-GPU cluster of that shape. All jobs run at once and share the GPU; each saves and stops
+after ``--minutes`` and resumes from its checkpoint on the next call (as ``convergence.py
+--gpu``, whose job flags, data and log reading this reuses: ``_convergence_gpu.py``).
+Configurations (``LAB_CONFIGS``):
+
+    zero3        ZeRO-3 (no ZeRO++ flag), the baseline every gap refers to
+    qwz+hpz      qwZ + hpZ (small parameters exact: the default)
+    all3-old     all three as measured in issue 15: every parameter quantized (threshold 0),
+                 qgZ INT4 on both hops (blocks are per parameter now; that part cannot be undone)
+    all3         all three with the new defaults: per-parameter blocks, parameters below 1e5
+                 elements exact, qgZ INT8 intra-node / INT4 inter-node
+    all3+sr      the same with stochastic rounding in qgZ (both hops)
+    all3+ef      the same with qgZ error feedback
+
+Writes a JSON (``--json``) with the settings, every job's per-iteration train loss, grad norm and
+time, its validation losses, and a summary per configuration over the seeds (final validation
+loss mean and spread, gap of the mean to zero3's); prints the summary as a table. Data: a
+prepared corpus as for ``convergence.py --gpu`` (``tools/build_sample_corpus.py --corpus sources
+--prepare``). Usage (the full 125M study, then the reduced one; see docs/benchmarks.md)::
+
+    python benchmarks/convergence_lab.py --data-dir runs/conv_data --run-dir runs/lab \\
+        --model 124m --iters 1500 --seeds 1234 1235 --minutes 9 --json runs/lab/curves.json
+    python benchmarks/convergence_lab.py --data-dir runs/conv_data --run-dir runs/lab_small \\
+        --model small --iters 300 --micro-batch-size 4 --global-batch-size 32 \\
+        --eval-interval 50 --seeds 1234 1235 --minutes 8 --json runs/lab_small/curves.json
+
+``--collect-only`` reads the logs back without training; ``--dry-run`` prints the job commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+
+import _convergence_gpu as G  # noqa: E402
+from gpu_shaped import COMMON_ENV  # noqa: E402
+from numerics_lab import lab_command  # noqa: E402
+
+_ALL3 = ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz")
+LAB_CONFIGS: Dict[str, Tuple[str, ...]] = {
+    "zero3": (),
+    "qwz+hpz": ("--zeropp-qwz", "--zeropp-hpz"),
+    "all3-old": _ALL3 + ("--zeropp-small-param-threshold", "0", "--zeropp-qgz-intra-bits", "4"),
+    "all3": _ALL3,
+    "all3+sr": _ALL3 + ("--zeropp-qgz-stochastic-rounding",),
+    "all3+ef": _ALL3 + ("--zeropp-qgz-error-feedback",),
+}
+
+
+def job_name(config: str, seed: int) -> str:
+    return f"{config}@seed{seed}"
+
+
+def split_name(name: str) -> Tuple[str, int]:
+    config, seed = name.rsplit("@seed", 1)
+    return config, int(seed)
+
+
+@dataclass(frozen=True)
+class LabRun:
+    """Validated settings of one call: the fields ``_convergence_gpu.job_flags`` reads, plus the
+    simulated layout."""
+
+    configs: Dict[str, Tuple[str, ...]]
+    """job name (:func:`job_name`) -> pretrain_gpt.py flags, ``--seed`` included."""
+    data_prefix: Tuple[str, str]
+    vocab_size: int
+    run_dir: str
+    nodes: int
+    ranks_per_node: int
+    train_iters: int
+    micro_batch_size: int
+    global_batch_size: int
+    eval_interval: int
+    eval_iters: int
+    minutes: float
+    model: str = "124m"
+    qgz_error_interval: int = 0
+    python: str = sys.executable
+
+    def __post_init__(self):
+        if self.model not in G.MODELS:
+            raise ValueError(f"model must be one of {sorted(G.MODELS)}, got {self.model!r}")
+        if min(self.nodes, self.ranks_per_node) < 1 or self.nodes * self.ranks_per_node < 2:
+            raise ValueError(f"need DP >= 2 (--nodes x --ranks-per-node), got {self.nodes} x "
+                             f"{self.ranks_per_node}")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"micro-batch size x DP = {per_step}")
+        if not self.minutes > 0 or self.train_iters < 1:
+            raise ValueError(f"need --minutes > 0 and --iters >= 1, got {self.minutes}, "
+                             f"{self.train_iters}")
+        for prefix in self.data_prefix:
+            if not os.path.isfile(prefix + ".idx"):
+                raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
+
+    @property
+    def dp(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def warmup_iters(self) -> int:
+        return max(1, self.train_iters // 50)
+
+
+def job_command(run: LabRun, name: str, port: int) -> List[str]:
+    """One job: the lab's torchrun command (``tools/numerics_lab.lab_command``) over the same
+    pretrain_gpt.py flags as the multi-GPU study."""
+    env = ["env"] + [f"{k}={v}" for k, v in COMMON_ENV.items()]
+    return env + lab_command(run.nodes, run.ranks_per_node, G.job_flags(run, name),
+                             python=run.python, master_port=port)
+
+
+def summary(results: Dict[str, dict], seeds: Sequence[int]) -> Dict[str, dict]:
+    """Per configuration: final validation loss per seed (at the last validation every job
+    reached), mean, spread (max - min) and the gap of the mean to zero3's mean."""
+    reached = [set(i for i, _ in h["val_loss"]) for h in results.values()]
+    common = set.intersection(*reached) if reached else set()
+    at = max(common) if common else None
+    out: Dict[str, dict] = {}
+    for name, h in results.items():
+        config, seed = split_name(name)
+        entry = out.setdefault(config, {"at": at, "val_loss": {}, "iterations": {}})
+        entry["val_loss"][seed] = dict(h["val_loss"]).get(at) if at is not None else None
+        entry["iterations"][seed] = h["iterations"][-1] if h["iterations"] else 0
+    for entry in out.values():
+        vals = [v for v in entry["val_loss"].values() if v is not None]
+        entry["mean"] = statistics.fmean(vals) if vals else None
+        entry["spread"] = max(vals) - min(vals) if len(vals) > 1 else None
+    base = out.get("zero3", {}).get("mean")
+    for entry in out.values():
+        entry["gap_pct"] = (100 * (entry["mean"] - base) / base
+                            if base and entry["mean"] is not None else None)
+    return out
+
+
+def table(summ: Dict[str, dict]) -> str:
+    if not summ:
+        return "(no runs)"
+    at = next(iter(summ.values()))["at"]
+    rows = [f"| configuration | validation loss at {at} per seed | mean | spread | gap of the "
+            "mean to zero3 | iterations run |", "|---|---|---:|---:|---:|---|"]
+    for config, e in summ.items():
+        per_seed = ", ".join(f"{s}: {v:.4f}" if v is not None else f"{s}: -"
+                             for s, v in sorted(e["val_loss"].items()))
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        gap = f"{e['gap_pct']:+.3f} %" if e["gap_pct"] is not None else "-"
+        its = ", ".join(str(i) for _, i in sorted(e["iterations"].items()))
+        rows.append(f"| {config} | {per_seed} | {fmt(e['mean'], '.4f')} | "
+                    f"{fmt(e['spread'], '.4f')} | {gap} | {its} |")
+    return "\n".join(rows)
+
+
+def _data(data_dir: str) -> Tuple[Tuple[str, str], int]:
+    with open(os.path.join(data_dir, "sample_data.json")) as f:
+        data = json.load(f)["data"]
+    # The manifest holds absolute paths of the machine that built it: look next to it instead.
+    prefixes = tuple(os.path.join(os.path.abspath(data_dir), os.path.basename(data[k]))
+                     for k in ("train_data_prefix", "valid_data_prefix"))
+    return prefixes, data["vocab_size"]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data-dir", default="runs/conv_data",
+                   help="a prepared corpus (tools/build_sample_corpus.py --prepare)")
+    p.add_argument("--run-dir", default="runs/lab", help="checkpoints and logs, per job")
+    p.add_argument("--configs", nargs="+", default=list(LAB_CONFIGS),
+                   help=f"from {list(LAB_CONFIGS)} (default: all; zero3 is required)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235])
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes K")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="simulated GPUs per node N")
+    p.add_argument("--model", default="124m", choices=sorted(G.MODELS))
+    p.add_argument("--iters", type=int, default=1500)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-iters", type=int, default=10)
+    p.add_argument("--minutes", type=float, default=9.0,
+                   help="each job saves and stops after this long (resume with another call)")
+    p.add_argument("--qgz-error-interval", type=int, default=0)
+    p.add_argument("--json", default=None, help="write settings, curves and summary here")
+    p.add_argument("--collect-only", action="store_true", help="read the logs back only")
+    p.add_argument("--dry-run", action="store_true", help="print the job commands only")
+    p.add_argument("extra", nargs="*", help="after --: more pretrain_gpt.py flags, every job")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.configs if c not in LAB_CONFIGS]
+    if unknown or "zero3" not in args.configs:
+        p.error(f"--configs: need zero3 and names from {list(LAB_CONFIGS)}, got {args.configs}")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds must differ, got {args.seeds}")
+    try:
+        prefixes, vocab = _data(args.data_dir)
+        run = LabRun(
+            configs={job_name(c, s): LAB_CONFIGS[c] + ("--seed", str(s)) + tuple(args.extra)
+                     for c in args.configs for s in args.seeds},
+            data_prefix=prefixes, vocab_size=vocab, run_dir=os.path.abspath(args.run_dir),
+            nodes=args.nodes, ranks_per_node=args.ranks_per_node, train_iters=args.iters,
+            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+            eval_interval=args.eval_interval, eval_iters=args.eval_iters, minutes=args.minutes,
+            model=args.model, qgz_error_interval=args.qgz_error_interval)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(str(e))
+    if args.dry_run:
+        for name in run.configs:
+            print(shlex.join(job_command(run, name, 0)))
+        return 0
+    if not args.collect_only:
+        codes = G.run_all(run, echo=lambda m: print(m, file=sys.stderr, flush=True),
+                          command=job_command)
+        print(f"exit codes: {codes}", file=sys.stderr)
+    results = G.collect(run.run_dir, list(run.configs))
+    summ = summary(results, args.seeds)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k not in ("collect_only", "dry_run")}
+        with open(args.json, "w") as f:
+            json.dump({"settings": settings, "dp": run.dp, "runs": results,
+                       "summary": summ}, f)
+    print(f"DP {run.dp} = {run.nodes} nodes x {run.ranks_per_node} on one GPU (numerics lab), "
+          f"model {run.model}, {run.train_iters}-iteration schedule, global batch "
+          f"{run.global_batch_size} sequences, seeds {args.seeds}\n")
+    print(table(summ))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

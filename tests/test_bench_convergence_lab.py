@@ -1,0 +1,119 @@
+"""benchmarks/convergence_lab.py and tools/numerics_lab.py without a GPU: the lab's command
+lines, input checks, the seeded summary, and one end-to-end run of the driver on CPU."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import convergence_lab as L  # noqa: E402
+import numerics_lab as N  # noqa: E402
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def _run(tmp_path, **kw):
+    for name in ("d.idx", "v.idx"):
+        (tmp_path / name).write_bytes(b"")
+    base = dict(configs={L.job_name(c, s): L.LAB_CONFIGS[c] + ("--seed", str(s))
+                         for c in ("zero3", "all3") for s in (1, 2)},
+                data_prefix=(str(tmp_path / "d"), str(tmp_path / "v")), vocab_size=8192,
+                run_dir=str(tmp_path / "run"), nodes=8, ranks_per_node=8, train_iters=100,
+                micro_batch_size=1, global_batch_size=64, eval_interval=50, eval_iters=10,
+                minutes=8.0)
+    base.update(kw)
+    return L.LabRun(**base)
+
+
+def test_lab_command_shapes_z_ranks_on_one_gpu():
+    cmd = N.lab_command(8, 8, ["--lr", "1e-3"], python="py", master_port=5)
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    assert _flag(cmd, "--nproc-per-node") == "64" and _flag(cmd, "--master-port") == "5"
+    tail = cmd[cmd.index(N.PRETRAIN):]
+    assert tail == [N.PRETRAIN, "--ranks-share-gpu", "--ranks-per-node", "8", "--lr", "1e-3"]
+    assert "--standalone" in N.lab_command(2, 1, [])
+
+
+@pytest.mark.parametrize("nodes, rpn, argv, message", [
+    (0, 2, [], "nodes must be an int >= 1, got 0"),
+    (2, True, [], "ranks_per_node must be an int >= 1, got True"),
+    (2, 2, ["--ranks-per-node", "4"], "the lab sets"),
+    (2, 2, ["--distributed-backend=nccl"], "the lab sets"),
+])
+def test_lab_command_refuses(nodes, rpn, argv, message):
+    with pytest.raises(ValueError, match=message):
+        N.lab_command(nodes, rpn, argv)
+
+
+def test_tool_dry_run_prints_the_command(capsys):
+    assert N.main(["--nodes", "2", "--ranks-per-node", "2", "--dry-run", "--", "--lr", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--nproc-per-node 4" in out and "--ranks-share-gpu --ranks-per-node 2 --lr 1" in out
+
+
+def test_job_command_is_the_lab_over_the_study_flags(tmp_path):
+    run = _run(tmp_path)
+    cmd = L.job_command(run, "all3@seed2", 1234)
+    assert _flag(cmd, "--nproc-per-node") == "64" and "--ranks-share-gpu" in cmd
+    assert _flag(cmd, "--ranks-per-node") == "8" and _flag(cmd, "--seed") == "2"
+    assert cmd.count("--seed") == 1 and cmd[-5:-2] == ["--zeropp-qwz", "--zeropp-hpz",
+                                                         "--zeropp-qgz"]
+    ckpt = os.path.join(run.run_dir, "all3@seed2", "ckpt")
+    assert _flag(cmd, "--save") == _flag(cmd, "--load") == ckpt
+    assert "NCCL_NVLS_ENABLE=0" in cmd  # the device hosts' rule, kept for every job
+    old = L.LAB_CONFIGS["all3-old"]
+    assert _flag(list(old), "--zeropp-small-param-threshold") == "0"
+    assert _flag(list(old), "--zeropp-qgz-intra-bits") == "4"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(nodes=1, ranks_per_node=1), "need DP >= 2"),
+    (dict(global_batch_size=60), "not a multiple"),
+    (dict(minutes=0), "--minutes"),
+    (dict(model="huge"), "model must be"),
+])
+def test_bad_settings(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _run(tmp_path, **kw)
+
+
+def test_summary_mean_spread_and_gap():
+    def h(val):
+        return {"iterations": [1, 2], "val_loss": [(2, val)]}
+    results = {"zero3@seed1": h(2.0), "zero3@seed2": h(2.2), "all3@seed1": h(2.2),
+               "all3@seed2": h(2.4)}
+    s = L.summary(results, [1, 2])
+    assert s["zero3"]["mean"] == pytest.approx(2.1) and s["zero3"]["spread"] == pytest.approx(0.2)
+    assert s["all3"]["gap_pct"] == pytest.approx(100 * 0.2 / 2.1)
+    assert "+9.524 %" in L.table(s)
+    # The gap can be negative and is read at the last validation every job reached.
+    results["all3@seed2"] = {"iterations": [1, 2, 3], "val_loss": [(2, 1.8), (3, 1.0)]}
+    s = L.summary(results, [1, 2])
+    assert s["all3"]["at"] == 2 and s["all3"]["gap_pct"] == pytest.approx(-100 * 0.1 / 2.1)
+
+
+def test_end_to_end_on_cpu(tmp_path, capsys):
+    from megatron_zeropp.data.sample_corpus import prepare_sample_data
+
+    data_dir = str(tmp_path / "data")
+    prepare_sample_data(data_dir)
+    assert L.main(["--data-dir", data_dir, "--run-dir", str(tmp_path / "run"), "--model",
+                   "tiny", "--iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                   "--micro-batch-size", "2", "--global-batch-size", "4", "--nodes", "2",
+                   "--ranks-per-node", "1", "--configs", "zero3", "--seeds", "1",
+                   "--minutes", "3", "--json", str(tmp_path / "c.json")]) == 0
+    res = json.load(open(tmp_path / "c.json"))
+    assert res["dp"] == 2 and sorted(res["runs"]) == ["zero3@seed1"]
+    assert res["runs"]["zero3@seed1"]["iterations"] == [1, 2, 3, 4]
+    assert [i for i, _ in res["runs"]["zero3@seed1"]["val_loss"]] == [2, 4]
+    assert res["summary"]["zero3"]["mean"] == res["runs"]["zero3@seed1"]["val_loss"][-1][1]
+    log = open(tmp_path / "run" / "zero3@seed1" / "train.log").read()
+    assert "> numerics lab: 2 ranks share cpu" in log
+    assert "| zero3 |" in capsys.readouterr().out
