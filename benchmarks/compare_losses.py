@@ -1,5 +1,6 @@
-"""Per-iteration ``lm loss`` and ``grad norm`` (and validation losses) of several pretrain_gpt.py logs (Megatron-LM's
-or this project's: the same log line), side by side, and which pairs are identical as printed.
+"""Per-iteration ``lm loss`` and ``grad norm`` (and validation losses) of several pretrain_gpt.py
+logs (Megatron-LM's or this project's: the same log line), side by side, and which pairs are
+identical as printed.
 
 Usage: python benchmarks/compare_losses.py DIR RUN [RUN...]   (reads DIR/RUN.log)
 """
