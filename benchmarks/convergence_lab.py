@@ -16,6 +16,7 @@ Configurations (``LAB_CONFIGS``):
                  elements exact, qgZ INT8 intra-node / INT4 inter-node
     all3+sr      the same with stochastic rounding in qgZ (both hops)
     all3+ef      the same with qgZ error feedback
+    qwz-diff4+hpz  qwZ sending 4-bit weight differences (issue 23) + hpZ
 
 Writes a JSON (``--json``) with the settings, every job's per-iteration train loss, grad norm and
 time, its validation losses, and a summary per configuration over the seeds (final validation
@@ -59,6 +60,7 @@ LAB_CONFIGS: Dict[str, Tuple[str, ...]] = {
     "all3": _ALL3,
     "all3+sr": _ALL3 + ("--zeropp-qgz-stochastic-rounding",),
     "all3+ef": _ALL3 + ("--zeropp-qgz-error-feedback",),
+    "qwz-diff4+hpz": ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qwz-diff-bits", "4"),
 }
 
 
