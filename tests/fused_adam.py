@@ -32,6 +32,15 @@ class FusedAdamStandIn(torch.optim.AdamW):
             raise ValueError("the stand-in covers adam_w_mode with bias correction only")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
+    def __setstate__(self, state):
+        # torch's Adam insists on a per-parameter step when it loads state; FusedAdam has none
+        stepless = [s for s in state.get("state", {}).values() if s and "step" not in s]
+        for s in stepless:
+            s["step"] = torch.tensor(0.0)
+        super().__setstate__(state)
+        for s in stepless:
+            s.pop("step")
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:

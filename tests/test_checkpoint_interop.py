@@ -84,6 +84,8 @@ def adam_state(wrapped, optimizer):
         else:
             mains = {p: p for g in opt.optimizer.param_groups for p in g["params"]}
             ranges = None
+        group_steps = {id(m): g["step"] for g in opt.optimizer.param_groups if "step" in g
+                       for m in g["params"]}
         for p, name in names.items():
             main = mains.get(p)
             state = opt.optimizer.state.get(main, {}) if main is not None else {}
@@ -99,7 +101,8 @@ def adam_state(wrapped, optimizer):
                     full[a:b] = t.detach().reshape(-1)
                 dist.all_reduce(full, group=opt.data_parallel_group)
                 entry[k] = full
-            step = state.get("step")
+            # torch's Adam keeps a step per parameter, FusedAdam (and its stand-in) per group
+            step = state.get("step", group_steps.get(id(main)))
             step = float(step) if step is not None else -1.0
             if ranges is not None:  # a rank holding none of the parameter has no state for it
                 step = torch.tensor(step)
@@ -429,7 +432,7 @@ def test_megatron_lm_on_torch_adam_cannot_load_distributed_optimizer_checkpoints
     # between Megatron-LM's call and the assert (megatron-core's DistributedOptimizer.state_dict
     # takes torch Adam's per-parameter steps, which a fresh optimizer does not have yet).
     bf16, saved = megatron_lm
-    if bf16:
+    if bf16 or ours[0]:
         pytest.skip("one dtype is enough here")
     roots = [saved["dp_reshardable"][0], saved["fully_reshardable"][0], ours[1]]
     for failure in run_distributed(_megatron_lm_load_failures, 1, 2, args=(roots,))[0]:
@@ -454,11 +457,7 @@ def test_fused_adam_checkpoints_load_into_zeropp_and_continue_exactly(gpu_format
     out = run_distributed(_zeropp_load, 1, 2, args=(
         [gpu_format[layout][0] for layout in LAYOUTS], _exact(), True))[0]
     for layout, (_, *loaded) in zip(LAYOUTS, out):
-        saved = gpu_format[layout][1]
-        # the stand-in keeps no per-parameter step: compare the rest
-        saved = (saved[0], saved[1], {n: {**e, "step": None} for n, e in saved[2].items()})
-        loaded[2] = {n: {**e, "step": None} for n, e in loaded[2].items()}
-        _continues(saved, loaded, non_distributed=layout is None)
+        _continues(gpu_format[layout][1], loaded, non_distributed=layout is None)
 
 
 def test_bucket_layout_rejects_buckets_the_parameters_do_not_fill():
@@ -466,9 +465,9 @@ def test_bucket_layout_rejects_buckets_the_parameters_do_not_fill():
 
     params = [torch.nn.Parameter(torch.empty(n)) for n in (10, 100, 3)]
     # reversed: 3 at 0, 100 at 64, 10 at 192 -> 202 elements, one bucket
-    assert list(param_ranges(params, [202]).values()) == [(0, 192, 202), (0, 64, 164),
-                                                          (0, 0, 3)]
-    assert list(param_ranges(params, [164, 10]).values())[0] == (1, 0, 10)
+    assert [param_ranges(params, [202])[p] for p in params] == [(0, 192, 202), (0, 64, 164),
+                                                                (0, 0, 3)]
+    assert param_ranges(params, [164, 10])[params[0]] == (1, 0, 10)
     for wrong in ([201], [203], [100, 102], [164, 11]):
         with pytest.raises(ValueError):
             param_ranges(params, wrong)

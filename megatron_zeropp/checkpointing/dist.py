@@ -22,8 +22,11 @@ optimizer is stored as ``fully_reshardable`` (per-parameter tensors in model spa
 Megatron-LM's default ``dp_reshardable`` (its internal bucket layout, which differs between the two
 data-parallel implementations and with TP/PP): so TP, PP, DP, ZeRO++ flags and the data-parallel
 implementation may all change between save and load. Megatron-LM reads the sharding type from the
-checkpoint, so it loads these at any layout; its own default checkpoints load here with
-``--data-parallel-impl megatron`` and the same TP/PP, or their weights alone.
+checkpoint, so it loads these at any layout. Megatron-LM's other optimizer layouts load here with
+their state on both data-parallel paths: its default ``dp_reshardable`` (bucket space) at the
+saving run's TP/PP and any DP (``optimizer/sharded_state.bucket_param_state``), and megatron-core's
+non-distributed optimizer (without --use-distributed-optimizer) anywhere
+(:mod:`.non_distributed`); tools/convert_checkpoint.py writes the latter for Megatron-LM.
 
 The save is atomic as in the ``torch`` format (``legacy.begin_save`` / ``commit_save``).
 """
@@ -197,6 +200,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
              "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
     with adam_state_before_first_step(optimizer if save_optim else None):
         state.update(_model_and_optimizer(model_chunks, optimizer, metadata, save_optim, False))
+        _integral_steps(state.get("optimizer"))
         if save_optim and scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
         if save_rng:
@@ -211,6 +215,17 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         checks.write_model_config(tmp, model_config)
     qgz_residuals.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
+
+
+def _integral_steps(optimizer_state) -> None:
+    """Store the param groups' Adam step as an integer, as megatron-core with apex/TE's fused
+    Adam writes it (``int(step)``), where without them it writes torch Adam's float: a GPU
+    Megatron-LM's FusedAdam then reads the step it would have written itself."""
+    groups = ((optimizer_state or {}).get("optimizer") or {}).get("param_groups") or []
+    for group in groups:
+        step = group.get("step")
+        if isinstance(step, float) and step.is_integer():
+            group["step"] = int(step)
 
 
 @contextlib.contextmanager

@@ -162,8 +162,11 @@ def to_non_distributed(input_dir: str, output_dir: str, iteration: Optional[int]
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
+    from megatron_zeropp.backend import apply_mcore_patches
     from megatron_zeropp.checkpointing import non_distributed
     from megatron_zeropp.mcore.checkpoint import use_in_process_write_results, write_common_file
+
+    apply_mcore_patches()  # megatron-core's writer on CPU
 
     it = checkpoint_checks.latest_iteration(input_dir) if iteration is None else iteration
     source = checkpoint.iteration_dir(input_dir, it) if it is not None else input_dir
