@@ -27,9 +27,11 @@ class FusedAdamStandIn(torch.optim.AdamW):
     ``step``."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True):
-        if not adam_w_mode or not bias_correction or amsgrad:
-            raise ValueError("the stand-in covers adam_w_mode with bias correction only")
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
+                 capturable=False):
+        if not adam_w_mode or not bias_correction or amsgrad or capturable:
+            raise ValueError("the stand-in covers adam_w_mode with bias correction, not "
+                             "captured (CUDA-graph) steps")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def __setstate__(self, state):

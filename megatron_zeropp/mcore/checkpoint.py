@@ -84,6 +84,13 @@ def write_common_file(directory: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def is_common(key: str) -> bool:
+    """Whether a stored ShardedObject is megatron-core's own copy of the common state (0.17+
+    keeps it in the DCP files as ``common_state``; it is written anew by every save). Checked:
+    0.16.1 (none), 0.19.1."""
+    return at_least(0, 17) and key == "common_state"
+
+
 def use_in_process_write_results() -> None:
     """Give megatron-core's torch_dist writer an in-process results queue (call before each
     synchronous ``dist_checkpointing.save``).

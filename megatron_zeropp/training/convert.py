@@ -164,7 +164,11 @@ def to_non_distributed(input_dir: str, output_dir: str, iteration: Optional[int]
 
     from megatron_zeropp.backend import apply_mcore_patches
     from megatron_zeropp.checkpointing import non_distributed
-    from megatron_zeropp.mcore.checkpoint import use_in_process_write_results, write_common_file
+    from megatron_zeropp.mcore.checkpoint import (
+        is_common,
+        use_in_process_write_results,
+        write_common_file,
+    )
 
     apply_mcore_patches()  # megatron-core's writer on CPU
 
@@ -201,7 +205,7 @@ def to_non_distributed(input_dir: str, output_dir: str, iteration: Optional[int]
                                   for k, t in opt_tensors.items()}
     state["objects"] = {
         k: ShardedObject(v.key, loaded[k], v.global_shape, v.global_offset, replica_id=0)
-        for k, v in described.items() if isinstance(v, ShardedObject)}
+        for k, v in described.items() if isinstance(v, ShardedObject) and not is_common(v.key)}
     if getattr(args, "use_distributed_optimizer", None) is not None:
         state["args"] = argparse.Namespace(**{**vars(args), "use_distributed_optimizer": False})
     tmp = checkpoint.begin_save(output_dir, it, overwrite=False)
