@@ -65,17 +65,17 @@ run() {  # name program extra-flags...
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
-C=$OUT/ckpt
+C=/tmp/mlm_checkpoints  # not under OUTDIR: only the logs come back
 run mlm_dist mlm --use-distributed-optimizer --save $C/mlm_dist
 run mlm_flat mlm --save $C/mlm_flat
-run zero_from_dist ours --load $C/mlm_dist --save $C/zero_from_dist
-run zero_from_flat ours --load $C/mlm_flat --save $C/zero_from_flat
+run zero_from_dist ours --load $C/mlm_dist --ckpt-step 5 --save $C/zero_from_dist
+run zero_from_flat ours --load $C/mlm_flat --ckpt-step 5 --save $C/zero_from_flat
 run zero ours --save $C/zero
-run mlm_from_zero mlm --use-distributed-optimizer --load $C/zero --save $C/mlm_from_zero
+run mlm_from_zero mlm --use-distributed-optimizer --load $C/zero --ckpt-step 5 --save $C/mlm_from_zero
 PYTHONPATH=$SITE:$PWD python3 tools/convert_checkpoint.py --input $C/zero --output $C/zero_flat \
-  --to torch_dist --optimizer-layout non-distributed > "$OUT/convert.log" 2>&1
+  --to torch_dist --optimizer-layout non-distributed --ckpt-step 5 > "$OUT/convert.log" 2>&1
 echo "convert exit $?"; tail -n 2 "$OUT/convert.log"
-run mlm_from_flat mlm --load $C/zero_flat --save $C/mlm_from_flat
+run mlm_from_flat mlm --load $C/zero_flat --ckpt-step 5 --save $C/mlm_from_flat
 python3 - "$OUT" <<'EOF'
 import re, sys
 out = sys.argv[1]

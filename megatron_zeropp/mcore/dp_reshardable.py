@@ -42,7 +42,8 @@ def prefix(dp_group_idx: int) -> str:
 
 
 def bucket_key(dp_group_idx: int, gbuf_idx: int, dtype: str, bucket_idx: int, name: str) -> str:
-    return f"{prefix(dp_group_idx)}.gbuf_idx_{gbuf_idx}.dtype_{dtype}.bucket_idx_{bucket_idx}.{name}"
+    return (f"{prefix(dp_group_idx)}.gbuf_idx_{gbuf_idx}.dtype_{dtype}"
+            f".bucket_idx_{bucket_idx}.{name}")
 
 
 def dp_group_idx() -> int:

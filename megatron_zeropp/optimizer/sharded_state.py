@@ -95,7 +95,7 @@ def bucket_param_state(opt, metadata: dict) -> dict:
         if not stored_dtype.startswith(f"({dtype},"):
             raise ValueError(f"buffer {g}: parameters are {dtype}, the checkpoint's "
                              f"{stored_dtype}")
-        for p, (b, start, end) in dp_reshardable.param_ranges(params, numels).items():
+        for p, (b, start, _) in dp_reshardable.param_ranges(params, numels).items():
             where[p] = (g, stored_dtype, b, start, numels[b])
     ranges = {p: (s.start, s.end) for chunk in opt.model_chunks
               for p, s in chunk.shard_map.items()}

@@ -15,7 +15,6 @@ from typing import Iterator, List
 from megatron_zeropp.mcore import optimizer as mcore_optimizer
 
 from . import sharded_state
-from .sharded_state import SHARDING_TYPE
 
 
 def distributed_optimizers(optimizer) -> Iterator:
