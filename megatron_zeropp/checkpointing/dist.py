@@ -22,8 +22,11 @@ optimizer is stored as ``fully_reshardable`` (per-parameter tensors in model spa
 Megatron-LM's default ``dp_reshardable`` (its internal bucket layout, which differs between the two
 data-parallel implementations and with TP/PP): so TP, PP, DP, ZeRO++ flags and the data-parallel
 implementation may all change between save and load. Megatron-LM reads the sharding type from the
-checkpoint, so it loads these at any layout; its own default checkpoints load here with
-``--data-parallel-impl megatron`` and the same TP/PP, or their weights alone.
+checkpoint, so it loads these at any layout. Megatron-LM's other optimizer layouts load here with
+their state on both data-parallel paths: its default ``dp_reshardable`` (bucket space) at the
+saving run's TP/PP and any DP (``optimizer/sharded_state.bucket_param_state``), and megatron-core's
+non-distributed optimizer (without --use-distributed-optimizer) anywhere
+(:mod:`.non_distributed`); tools/convert_checkpoint.py writes the latter for Megatron-LM.
 
 The save is atomic as in the ``torch`` format (``legacy.begin_save`` / ``commit_save``).
 """
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeropp.mcore.checkpoint import (
+    fully_reshardable_params,
     init_dummy_optimizer_states,
     keeping_adam_steps,
     unshare_adam_steps,
@@ -48,8 +52,9 @@ from megatron_zeropp.mcore.checkpoint import (
     write_common_file,
 )
 from megatron_zeropp.optimizer import distributed_optimizers
+from megatron_zeropp.optimizer.sharded_state import BUCKET_SHARDING_TYPE, SAVED_TENSORS
 
-from . import checks, qgz_residuals, qwz_diff_reference
+from . import checks, non_distributed, qgz_residuals, qwz_diff_reference
 from .legacy import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
 
 CHECKPOINT_VERSION = 3.0
@@ -195,6 +200,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
              "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
     with adam_state_before_first_step(optimizer if save_optim else None):
         state.update(_model_and_optimizer(model_chunks, optimizer, metadata, save_optim, False))
+        _integral_steps(state.get("optimizer"))
         if save_optim and scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
         if save_rng:
@@ -210,6 +216,17 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     qgz_residuals.save(tmp, model_chunks)
     qwz_diff_reference.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
+
+
+def _integral_steps(optimizer_state) -> None:
+    """Store the param groups' Adam step as an integer, as megatron-core with apex/TE's fused
+    Adam writes it (``int(step)``), where without them it writes torch Adam's float: a GPU
+    Megatron-LM's FusedAdam then reads the step it would have written itself."""
+    groups = ((optimizer_state or {}).get("optimizer") or {}).get("param_groups") or []
+    for group in groups:
+        step = group.get("step")
+        if isinstance(step, float) and step.is_integer():
+            group["step"] = int(step)
 
 
 @contextlib.contextmanager
@@ -248,25 +265,34 @@ def read_common(root: str, iteration: int) -> dict:
     return dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration))
 
 
-def _check_optimizer_format(metadata: dict, zero: bool, same_tp_pp: bool, directory: str):
-    kind = (metadata or {}).get("distrib_optim_sharding_type")
-    if kind == SHARDING_TYPE or (kind == "dp_reshardable" and not zero and same_tp_pp):
+def _check_optimizer_format(kind: Optional[str], non_distributed_: bool, same_tp_pp: bool,
+                            directory: str) -> None:
+    if kind == SHARDING_TYPE or non_distributed_:
         return
-    if kind is None:
-        # Megatron-LM writes the sharding type only with --use-distributed-optimizer.
+    if kind == BUCKET_SHARDING_TYPE:
+        if same_tp_pp:
+            return
         raise ValueError(
-            f"{directory}: optimizer state saved without --use-distributed-optimizer (megatron-"
-            f"core's non-distributed optimizer, a full copy keyed by parameter, no sharding type "
-            f"in the checkpoint's metadata); this project's optimizer is always distributed and "
-            f"does not read that layout. Load the weights alone with --no-load-optim, or save it "
-            f"in Megatron-LM with --use-distributed-optimizer "
-            f"--dist-ckpt-optim-fully-reshardable")
-    where = "the ZeRO++ layer" if zero else "another TP/PP layout"
+            f"{directory}: optimizer state stored as {kind!r} (megatron-core DDP's gradient "
+            f"buckets of each TP/PP rank), which only the saving run's TP/PP can read: the "
+            f"checkpoint records each bucket's size, not which pieces of which parameters the "
+            f"saving ranks held. Load it at the saving run's TP/PP (any DP) and write it again "
+            f"(tools/convert_checkpoint.py --to torch_dist stores the loadable-anywhere "
+            f"{SHARDING_TYPE!r}), save it in Megatron-LM with "
+            f"--dist-ckpt-optim-fully-reshardable, or load the weights alone with --no-load-optim")
     raise ValueError(
-        f"{directory}: optimizer state stored as {kind!r}, which {where} cannot read (it follows "
-        f"megatron-core DDP's bucket layout). Load it with --data-parallel-impl megatron and the "
-        f"same TP/PP, or save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable, or "
-        f"load the weights alone with --no-load-optim")
+        f"{directory}: optimizer state stored as {kind!r}, which this project does not read "
+        f"(it reads {SHARDING_TYPE!r}, {BUCKET_SHARDING_TYPE!r} and megatron-core's "
+        f"non-distributed optimizer); save it in Megatron-LM with "
+        f"--dist-ckpt-optim-fully-reshardable, or load the weights alone with --no-load-optim")
+
+
+def _saved_entries(directory: str) -> dict:
+    """key -> global shape of each tensor in a torch_dist checkpoint (None for objects)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+    return {k: (tuple(v.size) if hasattr(v, "size") else None) for k, v in saved.items()}
 
 
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
@@ -296,16 +322,35 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     load_rng = load_rng and same_tp_pp and not getattr(ckpt_args, "no_save_rng", False)
     zero = all(_is_zero(c) for c in model_chunks)
     stored = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    kind = stored.get("distrib_optim_sharding_type")
+    flat = load_optim and non_distributed.is_non_distributed(common, stored)
     if load_optim:
-        _check_optimizer_format(stored, zero, same_tp_pp, directory)
+        _check_optimizer_format(kind, flat, same_tp_pp, directory)
     metadata = {**stored, "dp_cp_group": _metadata()["dp_cp_group"]}
+    saved = _saved_entries(directory) if load_optim else {}
+    if flat:
+        # model space, as fully_reshardable: asked for under the non-distributed names
+        metadata["distrib_optim_sharding_type"] = SHARDING_TYPE
+    elif kind == BUCKET_SHARDING_TYPE and zero:
+        metadata[SAVED_TENSORS] = saved
     request = _model_and_optimizer(model_chunks, optimizer, metadata, load_optim, True)
-    if load_optim:
+    if flat:
+        non_distributed.rename_request(request["optimizer"], saved)
+    elif load_optim:
         _drop_absent_grad_scaler(request["optimizer"], optimizer, directory)
     if load_rng:
         request["rng_state"] = _rng_state(_current_rng())
     loaded = dist_checkpointing.load(request, directory)
-    _apply(loaded, model_chunks, optimizer, load_optim)
+    if flat:
+        loaded["optimizer"] = non_distributed.distributed_common(loaded["optimizer"],
+                                                                 SHARDING_TYPE)
+    after_model = None
+    if flat and not zero:
+        def after_model():
+            params = [p for opt in distributed_optimizers(optimizer)
+                      for p in fully_reshardable_params(opt)]
+            non_distributed.fill_fp32_mains(loaded["optimizer"]["param_state"], params)
+    _apply(loaded, model_chunks, optimizer, load_optim, after_model)
     if load_optim and scheduler is not None and "opt_param_scheduler" in loaded:
         used = checks.load_scheduler(scheduler, loaded["opt_param_scheduler"],
                                                 override_scheduler, use_checkpoint_scheduler)
@@ -346,12 +391,14 @@ def _drop_absent_grad_scaler(request: dict, optimizer, directory: str) -> None:
     walk(request)
 
 
-def _apply(loaded, chunks, optimizer, load_optim: bool) -> None:
+def _apply(loaded, chunks, optimizer, load_optim: bool, after_model=None) -> None:
     """Put what was loaded into the model and optimizer, in Megatron-LM's order and with its
     calls (``load_state_dict`` of each chunk, then of the optimizer, or
     ``reload_model_params`` without optimizer state)."""
     for i, chunk in enumerate(chunks):
         _unwrap(chunk).load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+    if after_model is not None:
+        after_model()
     if load_optim:
         # no_grad: megatron-core's dp_reshardable loader copies into fp32 shard views of the
         # parameters (fp32 models) without it, which autograd refuses.

@@ -84,6 +84,13 @@ def write_common_file(directory: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def is_common(key: str) -> bool:
+    """Whether a stored ShardedObject is megatron-core's own copy of the common state (0.17+
+    keeps it in the DCP files as ``common_state``; it is written anew by every save). Checked:
+    0.16.1 (none), 0.19.1."""
+    return at_least(0, 17) and key == "common_state"
+
+
 def use_in_process_write_results() -> None:
     """Give megatron-core's torch_dist writer an in-process results queue (call before each
     synchronous ``dist_checkpointing.save``).
@@ -101,3 +108,11 @@ def use_in_process_write_results() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def fully_reshardable_params(opt) -> list:
+    """The model parameters of a megatron-core DistributedOptimizer in the order of its
+    ``fully_reshardable`` ``param_state`` entries (index i is the i-th): buffer by buffer, each
+    buffer's ``param_index_map`` order. Checked: 0.16.1, 0.19.1
+    (``sharded_param_state_fully_reshardable``)."""
+    return [p for buffer in opt.buffers for p in buffer.param_index_map]

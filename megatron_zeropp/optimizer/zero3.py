@@ -15,7 +15,6 @@ from typing import Iterator, List
 from megatron_zeropp.mcore import optimizer as mcore_optimizer
 
 from . import sharded_state
-from .sharded_state import SHARDING_TYPE
 
 
 def distributed_optimizers(optimizer) -> Iterator:
@@ -69,10 +68,6 @@ def _with_checkpointing(base):
 
         def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
                                metadata=None, **unused):
-            kind = (metadata or {}).get("distrib_optim_sharding_type", SHARDING_TYPE)
-            if kind != SHARDING_TYPE:
-                raise ValueError(f"the ZeRO++ layer stores its optimizer as {SHARDING_TYPE!r}, "
-                                 f"not {kind!r} (megatron-core DDP's bucket layout)")
             self._sharded_metadata = metadata
             return sharded_state.sharded_state_dict(self, is_loading, metadata)
 

@@ -147,3 +147,75 @@ def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] =
              "pipeline_model_parallel_size": args.pipeline_model_parallel_size}
     return checkpoint.save_checkpoint(output_dir, it, consumed, chunks, optimizer, scheduler,
                                       extra={"args": saved}, **common)
+
+
+def to_non_distributed(input_dir: str, output_dir: str, iteration: Optional[int] = None) -> str:
+    """Rewrite a ``fully_reshardable`` torch_dist checkpoint (this project's, or Megatron-LM's
+    with --dist-ckpt-optim-fully-reshardable) in the layout of megatron-core's non-distributed
+    optimizer, which Megatron-LM without --use-distributed-optimizer loads (one process; every
+    tensor is read whole and written as one piece, which any TP/PP/DP reads). Weights, Adam
+    moments, schedule and RNG states are copied bit for bit; the fp32 main weights are stored
+    under the non-distributed names (16-bit models) or dropped (fp32 models: there the model
+    weight is the main weight). Returns the written iteration directory."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    from megatron_zeropp.backend import apply_mcore_patches
+    from megatron_zeropp.checkpointing import non_distributed
+    from megatron_zeropp.mcore.checkpoint import (
+        is_common,
+        use_in_process_write_results,
+        write_common_file,
+    )
+
+    apply_mcore_patches()  # megatron-core's writer on CPU
+
+    it = checkpoint_checks.latest_iteration(input_dir) if iteration is None else iteration
+    source = checkpoint.iteration_dir(input_dir, it) if it is not None else input_dir
+    checkpoint_integrity.check_files(source)
+    if not checkpoint_dist.is_dist_checkpoint(source):
+        raise StartupError(f"--input {input_dir}: --optimizer-layout non-distributed needs a "
+                           f"torch_dist checkpoint; convert it with --to torch_dist first")
+    if dist.get_world_size() != 1:
+        raise StartupError(f"--optimizer-layout non-distributed runs as one process, not "
+                           f"{dist.get_world_size()}")
+    common = dist_checkpointing.load_common_state_dict(source)
+    content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    kind = content.get("distrib_optim_sharding_type")
+    if kind != checkpoint_dist.SHARDING_TYPE or "optimizer" not in common:
+        raise StartupError(
+            f"--input {input_dir}: optimizer stored as {kind!r}; the rewrite reads "
+            f"{checkpoint_dist.SHARDING_TYPE!r} (convert with --to torch_dist first: this "
+            f"project writes it) and needs the optimizer state (not --no-save-optim)")
+    described = load_sharded_metadata(source)
+    loaded = dist_checkpointing.load(dict(described), source, validate_access_integrity=False)
+    tensors = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    args = common.get("args")
+    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    opt_common, opt_tensors = non_distributed.non_distributed_state(
+        common["optimizer"], tensors, half)
+    state = {k: v for k, v in common.items() if k not in ("optimizer", "content_metadata")}
+    state["optimizer"] = opt_common
+    state["model"] = {**(common.get("model") or {}), **{
+        k: ShardedTensor.from_rank_offsets(k, t, replica_id=0)
+        for k, t in tensors.items() if not k.startswith("optimizer.")}}
+    state["optimizer_tensors"] = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0)
+                                  for k, t in opt_tensors.items()}
+    state["objects"] = {
+        k: ShardedObject(v.key, loaded[k], v.global_shape, v.global_offset, replica_id=0)
+        for k, v in described.items() if isinstance(v, ShardedObject) and not is_common(v.key)}
+    if getattr(args, "use_distributed_optimizer", None) is not None:
+        state["args"] = argparse.Namespace(**{**vars(args), "use_distributed_optimizer": False})
+    tmp = checkpoint.begin_save(output_dir, it, overwrite=False)
+    use_in_process_write_results()
+    dist_checkpointing.save(state, tmp, content_metadata={
+        k: v for k, v in content.items() if not k.startswith("distrib_optim")})
+    write_common_file(tmp)
+    config = os.path.join(source, checkpoint_checks.MODEL_CONFIG)
+    if os.path.exists(config):
+        import shutil
+
+        shutil.copy(config, os.path.join(tmp, checkpoint_checks.MODEL_CONFIG))
+    return checkpoint.commit_save(output_dir, it)
