@@ -17,29 +17,21 @@
 # Then iterations 6..10 side by side (lm loss, grad norm) against the run each continuation
 # must reproduce. Nothing is asserted: the script prints what it saw.
 #
-# Needs, carried into the device call (ignored by git):
-#   .whl/   megatron-core 0.16.1 and what Megatron-LM's training code imports beyond the device's
-#           torch: MCORE_VERSION=0.16.1 bash /work/shared/tools/device-wheels.sh pyyaml six regex
-#   .mlm/core_v0.16.1   cp -r /work/shared/megatron-lm/core_v0.16.1 .mlm/
+# Needs, carried into the device call (ignored by git), as benchmarks/gpu_megatron_lm.sh:
+#   .whl/m16/   the megatron-core 0.16.1 cp312 wheel (../shared/tools/device-wheels.sh)
+#   .mlm/core_v0.16.1/   Megatron-LM core_v0.16.1's pretrain_gpt.py, builders and
+#                        megatron/{training,legacy,rl,post_training} (`git archive` of a clone)
+#   .mlm/wheels/         cp312 wheels Megatron-LM imports that the device lacks
 # Usage: bash benchmarks/gpu_megatron_lm_checkpoints.sh OUTDIR
 set -uo pipefail
 OUT=${1:?output directory}
 mkdir -p "$OUT"
 SITE=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1
-# The snapshot lacks megatron/legacy (imported by Megatron-LM's training code; none of it runs
-# for a local-spec GPTModel) and the wheel lacks the datasets Makefile Megatron-LM's start calls
-# make on (the wheel ships the compiled helpers): stand-ins, outside the checkout.
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/m16/*.whl \
+  .mlm/wheels/*.whl || exit 1
 MLM=/tmp/mlm
 rm -rf "$MLM" && cp -r .mlm/core_v0.16.1 "$MLM"
-mkdir -p "$MLM/megatron/legacy/fused_kernels" "$MLM/megatron/legacy/model" \
-  "$MLM/megatron/legacy/fp16_deprecated"
-: > "$MLM/megatron/legacy/__init__.py"
-: > "$MLM/megatron/legacy/fp16_deprecated/__init__.py"
-echo 'def load(args): pass' > "$MLM/megatron/legacy/fused_kernels/__init__.py"
-echo 'GPTModel = None' > "$MLM/megatron/legacy/model/__init__.py"
-printf 'def param_is_not_shared(param):\n    return not getattr(param, "shared", False)\n' \
-  > "$MLM/megatron/legacy/model/module.py"
+# Megatron-LM's start runs make in megatron/core/datasets; the wheel ships the helpers built.
 printf 'all:\n\t@true\n' > "$SITE/megatron/core/datasets/Makefile"
 
 COMMON="--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256
@@ -54,10 +46,10 @@ run() {  # name program extra-flags...
   local name=$1 prog=$2; shift 2
   echo "=== $name: $prog $*"
   if [ "$prog" = mlm ]; then
-    PYTHONPATH=$MLM:$SITE timeout 240 python3 -m torch.distributed.run --standalone \
+    PYTHONPATH=$MLM:$SITE timeout ${RUN_TIMEOUT:-240} python3 -m torch.distributed.run --standalone \
       --nproc-per-node 1 "$MLM/pretrain_gpt.py" $COMMON "$@" > "$OUT/$name.log" 2>&1
   else
-    PYTHONPATH=$SITE:$PWD timeout 240 python3 -m torch.distributed.run --standalone \
+    PYTHONPATH=$SITE:$PWD timeout ${RUN_TIMEOUT:-240} python3 -m torch.distributed.run --standalone \
       --nproc-per-node 1 pretrain_gpt.py $COMMON --ranks-per-node 1 "$@" > "$OUT/$name.log" 2>&1
   fi
   echo "exit $?"
