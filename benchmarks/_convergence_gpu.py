@@ -76,24 +76,28 @@ class GpuRun:
     python: str = sys.executable
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         if self.gpus < 2 or self.gpus % 2:
             raise ValueError(f"need an even number of GPUs >= 2 (two nodes), got {self.gpus}")
-        per_step = self.micro_batch_size * self.gpus
-        if self.global_batch_size % per_step:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
-                             f"micro-batch size x GPUs = {per_step}")
-        if not self.minutes > 0 or self.train_iters < 1:
-            raise ValueError(f"need --minutes > 0 and --iters >= 1, got {self.minutes}, "
-                             f"{self.train_iters}")
-        for prefix in self.data_prefix:
-            if not os.path.isfile(prefix + ".idx"):
-                raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
+        check_study(self, self.micro_batch_size * self.gpus, "GPUs")
 
     @property
     def warmup_iters(self) -> int:
         return max(1, self.train_iters // 50)
+
+
+def check_study(study, per_step: int, ranks: str) -> None:
+    """The checks both studies make before any job starts (model, batch, time, data)."""
+    if study.model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {study.model!r}")
+    if study.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {study.global_batch_size} is not a multiple of "
+                         f"micro-batch size x {ranks} = {per_step}")
+    if not study.minutes > 0 or study.train_iters < 1:
+        raise ValueError(f"need --minutes > 0 and --iters >= 1, got {study.minutes}, "
+                         f"{study.train_iters}")
+    for prefix in study.data_prefix:
+        if not os.path.isfile(prefix + ".idx"):
+            raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
 
 
 def job_argv(run: GpuRun, name: str) -> List[str]:

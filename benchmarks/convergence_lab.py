@@ -96,21 +96,10 @@ class LabRun:
     python: str = sys.executable
 
     def __post_init__(self):
-        if self.model not in G.MODELS:
-            raise ValueError(f"model must be one of {sorted(G.MODELS)}, got {self.model!r}")
         if min(self.nodes, self.ranks_per_node) < 1 or self.nodes * self.ranks_per_node < 2:
             raise ValueError(f"need DP >= 2 (--nodes x --ranks-per-node), got {self.nodes} x "
                              f"{self.ranks_per_node}")
-        per_step = self.micro_batch_size * self.dp
-        if self.global_batch_size % per_step:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
-                             f"micro-batch size x DP = {per_step}")
-        if not self.minutes > 0 or self.train_iters < 1:
-            raise ValueError(f"need --minutes > 0 and --iters >= 1, got {self.minutes}, "
-                             f"{self.train_iters}")
-        for prefix in self.data_prefix:
-            if not os.path.isfile(prefix + ".idx"):
-                raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
+        G.check_study(self, self.micro_batch_size * self.dp, "DP")
 
     @property
     def dp(self) -> int:
