@@ -99,6 +99,7 @@ def test_summary_mean_spread_and_gap():
     assert s["all3"]["at"] == 2 and s["all3"]["gap_pct"] == pytest.approx(-100 * 0.1 / 2.1)
 
 
+@pytest.mark.slow
 def test_end_to_end_on_cpu(tmp_path, capsys):
     from megatron_zeropp.data.sample_corpus import prepare_sample_data
 

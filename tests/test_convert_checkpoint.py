@@ -22,6 +22,7 @@ def _convert(ctx, *args):
     return convert(*args)
 
 
+@pytest.mark.slow
 def test_torch_to_torch_dist_and_back(sample_dir, tmp_path):
     torch_ckpt, dist_ckpt, back = (str(tmp_path / n) for n in ("torch", "dist", "back"))
     full = run_distributed(_pretrain, 1, 2, args=(_argv(
@@ -58,6 +59,7 @@ def test_a_torch_checkpoint_is_not_read_into_another_tp(tmp_path, sample_dir):
         run_distributed(_convert, 1, 2, args=(torch_ckpt, str(tmp_path / "x"), "torch", None, 2))
 
 
+@pytest.mark.slow
 def test_non_distributed_rewrite_end_to_end(tmp_path, sample_dir):
     # pretrain_gpt.py's torch_dist checkpoint rewritten for Megatron-LM without
     # --use-distributed-optimizer (tests/test_checkpoint_interop.py loads such rewrites into

@@ -144,6 +144,7 @@ def test_tool_prints_the_training_flags(prepared, capsys):
     assert "valid_per_mille must be in 1..999, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_source_corpus_is_capped_deterministic_and_distinct():
     cap = 300_000
     docs = list(sample_corpus.iter_source_documents(cap))

@@ -173,6 +173,7 @@ def _without_gpt2_tokenizer(argv):
     return out + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
 
 
+@pytest.mark.slow
 def test_175b_flags_train_with_zeropp_fp16_and_batch_rampup(tmp_path, gpt2_files):
     tb = str(tmp_path / "tb")
     if importlib.util.find_spec("transformers"):
@@ -202,6 +203,7 @@ def test_175b_flags_train_with_zeropp_fp16_and_batch_rampup(tmp_path, gpt2_files
     assert series["batch-size"][:7] == [4, 4, 4, 8, 8, 12, 16]
 
 
+@pytest.mark.slow
 def test_llama3_flags_without_te_train(tmp_path):
     tb = str(tmp_path / "tb")
     os.makedirs(tmp_path / "cache")

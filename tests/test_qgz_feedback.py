@@ -197,6 +197,7 @@ def _fp16(ctx, feedback, keep_non_finite=False):
     return [s[0] for s in steps], [bool(s[2]) for s in steps]
 
 
+@pytest.mark.slow
 def test_fp16_with_feedback_skips_the_same_early_steps_then_trains():
     off = run_distributed(_fp16, 2, 2, args=(False,))[0]
     on = run_distributed(_fp16, 2, 2, args=(True,))[0]
@@ -240,6 +241,7 @@ def _ckpt_argv(sample_dir, iters, fmt, extra=()):
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.slow
 def test_resume_with_feedback_is_bit_exact(sample_dir, tmp_path, fmt):
     import os
     import shutil

@@ -119,6 +119,7 @@ def _train(ctx, seed, stochastic):
     return [s[:2] for s in train(wrapped, optimizer, 4, global_batch=8, micro=1)]
 
 
+@pytest.mark.slow
 def test_training_with_stochastic_rounding_reruns_bit_identical():
     first = run_distributed(_train, 2, 2, args=(7, True))
     again = run_distributed(_train, 2, 2, args=(7, True))

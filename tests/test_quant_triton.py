@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @parent_only
+@pytest.mark.slow
 def test_kernels_match_the_reference_under_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", ZEROPP_QUANT_BACKEND="triton",
