@@ -232,7 +232,7 @@ def _log_bytes(ctx, nmb):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
             "--global-batch-size", str(ctx.world_size * nmb), "--lr", "1e-3",
-            "--train-iters", "2", "--log-interval", "1", "--eval-interval", "1000",
+            "--train-iters", "3", "--log-interval", "1", "--eval-interval", "1000",
             "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "512", "--ranks-per-node", "2", "--zeropp-qwz", "--zeropp-hpz",
             "--zeropp-qgz"]
@@ -240,6 +240,7 @@ def _log_bytes(ctx, nmb):
     with redirect_stdout(buf):
         pretrain(argv)
     fields = {}
+    # the last line, iteration 3's: as in Megatron-LM, line 2 also averages in iteration 1
     for line in buf.getvalue().splitlines():
         if " iteration " in line and "|" in line:  # Megatron-LM's "[timestamp] iteration ..."
             for part in line.split("|"):
