@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,14 +56,14 @@ _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: 
 
 
 @dataclass(frozen=True)
-class GpuRun:
-    """Validated settings of one call."""
+class Study:
+    """Validated settings of one call, shared by this multi-GPU study (:class:`GpuRun`) and the
+    one-GPU lab's (``convergence_lab.LabRun``); a subclass adds its layout and ``dp``."""
 
     configs: Dict[str, Tuple[str, ...]]
     data_prefix: Tuple[str, str]  # train, validation (IndexedDataset prefixes)
     vocab_size: int
     run_dir: str
-    gpus: int
     train_iters: int
     micro_batch_size: int
     global_batch_size: int
@@ -75,29 +75,47 @@ class GpuRun:
     """With qgZ on: measure its relative error every N iterations (0: never)."""
     python: str = sys.executable
 
+    RANKS: ClassVar[str] = "DP"
+    """How the messages name the data-parallel ranks."""
+
+    @property
+    def dp(self) -> int:
+        raise NotImplementedError
+
     def __post_init__(self):
-        if self.gpus < 2 or self.gpus % 2:
-            raise ValueError(f"need an even number of GPUs >= 2 (two nodes), got {self.gpus}")
-        check_study(self, self.micro_batch_size * self.gpus, "GPUs")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"micro-batch size x {self.RANKS} = {per_step}")
+        if not self.minutes > 0 or self.train_iters < 1:
+            raise ValueError(f"need --minutes > 0 and --iters >= 1, got {self.minutes}, "
+                             f"{self.train_iters}")
+        for prefix in self.data_prefix:
+            if not os.path.isfile(prefix + ".idx"):
+                raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
 
     @property
     def warmup_iters(self) -> int:
         return max(1, self.train_iters // 50)
 
 
-def check_study(study, per_step: int, ranks: str) -> None:
-    """The checks both studies make before any job starts (model, batch, time, data)."""
-    if study.model not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {study.model!r}")
-    if study.global_batch_size % per_step:
-        raise ValueError(f"--global-batch-size {study.global_batch_size} is not a multiple of "
-                         f"micro-batch size x {ranks} = {per_step}")
-    if not study.minutes > 0 or study.train_iters < 1:
-        raise ValueError(f"need --minutes > 0 and --iters >= 1, got {study.minutes}, "
-                         f"{study.train_iters}")
-    for prefix in study.data_prefix:
-        if not os.path.isfile(prefix + ".idx"):
-            raise ValueError(f"no IndexedDataset at {prefix!r} (.idx missing)")
+@dataclass(frozen=True, kw_only=True)
+class GpuRun(Study):
+    """Two nodes of ``gpus / 2`` GPUs each."""
+
+    gpus: int
+    RANKS: ClassVar[str] = "GPUs"
+
+    @property
+    def dp(self) -> int:
+        return self.gpus
+
+    def __post_init__(self):
+        if self.gpus < 2 or self.gpus % 2:
+            raise ValueError(f"need an even number of GPUs >= 2 (two nodes), got {self.gpus}")
+        super().__post_init__()
 
 
 def job_argv(run: GpuRun, name: str) -> List[str]:

@@ -73,41 +73,24 @@ def split_name(name: str) -> Tuple[str, int]:
     return config, int(seed)
 
 
-@dataclass(frozen=True)
-class LabRun:
-    """Validated settings of one call: the fields ``_convergence_gpu.job_flags`` reads, plus the
-    simulated layout."""
+@dataclass(frozen=True, kw_only=True)
+class LabRun(G.Study):
+    """Validated settings of one call: the study's (``configs`` maps a job name,
+    :func:`job_name`, to its pretrain_gpt.py flags, ``--seed`` included), plus the simulated
+    layout."""
 
-    configs: Dict[str, Tuple[str, ...]]
-    """job name (:func:`job_name`) -> pretrain_gpt.py flags, ``--seed`` included."""
-    data_prefix: Tuple[str, str]
-    vocab_size: int
-    run_dir: str
     nodes: int
     ranks_per_node: int
-    train_iters: int
-    micro_batch_size: int
-    global_batch_size: int
-    eval_interval: int
-    eval_iters: int
-    minutes: float
-    model: str = "124m"
-    qgz_error_interval: int = 0
-    python: str = sys.executable
-
-    def __post_init__(self):
-        if min(self.nodes, self.ranks_per_node) < 1 or self.nodes * self.ranks_per_node < 2:
-            raise ValueError(f"need DP >= 2 (--nodes x --ranks-per-node), got {self.nodes} x "
-                             f"{self.ranks_per_node}")
-        G.check_study(self, self.micro_batch_size * self.dp, "DP")
 
     @property
     def dp(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    @property
-    def warmup_iters(self) -> int:
-        return max(1, self.train_iters // 50)
+    def __post_init__(self):
+        if min(self.nodes, self.ranks_per_node) < 1 or self.nodes * self.ranks_per_node < 2:
+            raise ValueError(f"need DP >= 2 (--nodes x --ranks-per-node), got {self.nodes} x "
+                             f"{self.ranks_per_node}")
+        super().__post_init__()
 
 
 def job_command(run: LabRun, name: str, port: int) -> List[str]:
