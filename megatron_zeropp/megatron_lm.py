@@ -78,12 +78,7 @@ def enabled(args) -> bool:
 def zeropp_config(args) -> ZeroPPConfig:
     """The :class:`ZeroPPConfig` of the ``--zeropp-*`` flags (validated by the dataclass; its
     messages name the flags)."""
-    from megatron_zeropp.training.arg_checks import zeropp_flag_names
-
-    try:
-        return config_from_args(args)
-    except ValueError as e:
-        raise ValueError(zeropp_flag_names(str(e))) from None
+    return config_from_args(args)
 
 
 def ranks_per_node(args, world_size: int) -> int:

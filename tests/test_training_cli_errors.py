@@ -20,6 +20,8 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
      "--ffn-hidden-size 101 is not divisible by --tensor-model-parallel-size 2"),
     (["--group-query-attention", "--num-query-groups", "3"], 1, "--num-query-groups 3 must"),
     (["--zeropp-prefetch-depth", "-1"], 1, "--zeropp-prefetch-depth must be an int >= 0, got -1"),
+    (["--zeropp-small-param-threshold", "-1"], 1,
+     "--zeropp-small-param-threshold must be an int >= 0, got -1"),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
      "mutually exclusive"),
     (["--load-optional"], 1, "--load-optional needs --load"),

@@ -10,6 +10,7 @@ builds it, before any collective.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 from .config import ZeroPPConfig
@@ -85,8 +86,21 @@ def add_zeropp_flags(group) -> None:
         group.add_argument(flag(field.name), type=kind, default=default, help=helptext, **extra)
 
 
+# the dataclass's own messages name fields; longest first, so "hpz" never cuts "hpz_partition_size"
+_FIELD = re.compile(r"\b(%s)\b" % "|".join(sorted(
+    (f.name for f in dataclasses.fields(ZeroPPConfig)), key=len, reverse=True)))
+
+
+def flag_names(message: str) -> str:
+    """``message`` with every ZeroPPConfig field name written as its flag."""
+    return _FIELD.sub(lambda m: flag(m.group(1)), message)
+
+
 def config_from_args(args) -> ZeroPPConfig:
-    """The :class:`ZeroPPConfig` of parsed ``--zeropp-*`` flags (raises ValueError naming the
-    field when a value is out of range)."""
-    return ZeroPPConfig(**{f.name: getattr(args, PREFIX + f.name)
-                           for f in dataclasses.fields(ZeroPPConfig)})
+    """The :class:`ZeroPPConfig` of parsed ``--zeropp-*`` flags; a value out of range raises
+    ValueError naming its flag."""
+    try:
+        return ZeroPPConfig(**{f.name: getattr(args, PREFIX + f.name)
+                               for f in dataclasses.fields(ZeroPPConfig)})
+    except ValueError as e:
+        raise ValueError(flag_names(str(e))) from None

@@ -9,16 +9,7 @@ instead of flags.
 from __future__ import annotations
 
 import os
-import re
 from typing import List
-
-# ZeroPPConfig field -> flag; the config's own messages name fields.
-_ZEROPP_FIELD = re.compile(r"\b(qwz_\w+|hpz_\w+|qgz_\w+|prefetch_depth|unit|qwz|hpz|qgz)\b")
-
-
-def zeropp_flag_names(message: str) -> str:
-    """Rewrite ZeroPPConfig field names in ``message`` as --zeropp-* flags."""
-    return _ZEROPP_FIELD.sub(lambda m: "--zeropp-" + m.group(1).replace("_", "-"), message)
 
 
 def layout_errors(args, world_size: int) -> List[str]:

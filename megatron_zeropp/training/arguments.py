@@ -319,16 +319,12 @@ def validate(args, world_size: int) -> List[str]:
     if errors:
         raise ValueError("; ".join(errors))
     # Build the dataclasses now so their own validation also runs before any collective.
-    try:
-        zeropp_config(args)
-    except ValueError as e:
-        raise ValueError(arg_checks.zeropp_flag_names(str(e))) from None
+    zeropp_config(args)
     return notes
 
 
-def zeropp_config(args):
-    """ZeroPPConfig from the --zeropp-* flags."""
-    return config_from_args(args)
+zeropp_config = config_from_args
+"""ZeroPPConfig from the --zeropp-* flags (errors name the flags)."""
 
 
 def params_dtype(args) -> torch.dtype:
