@@ -323,7 +323,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
                "final_val_loss": [], "test_loss": [], "qgz_error": []}
     stats = IntervalStats()
-    lines_logged = 0
+    logged = False  # a line of this run yet
     collector = ManualGC(args)
     clock = ExitClock(args.exit_duration_in_mins, start_time)
     # (on an exception the handlers stay: the process is ending)
@@ -391,9 +391,9 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                        seconds=seconds, throughput=flops / seconds / world / 1e12)
         # Megatron-LM logs the first iteration of every run and does not reset after it: the
         # next line averages from that first iteration on (its training_log's should_reset).
-        first_line = not lines_logged
+        first_line = not logged
         if iteration % args.log_interval == 0 or iteration == args.train_iters or first_line:
-            lines_logged += 1
+            logged = True
             _log(training_log_line(iteration, args.train_iters, consumed, stats, lr, batch,
                                    loss_scale, result.grad_norm, flops, world, tokens,
                                    log_throughput=args.log_throughput,

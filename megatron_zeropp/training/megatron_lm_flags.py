@@ -196,6 +196,7 @@ def _schedule(args, dp: int, errors: List[str]) -> None:
                               "same)")
         if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
             errors.append("give only one of --lr-warmup-fraction and --lr-warmup-iters")
+        args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     else:
         if args.lr_decay_iters is not None or args.lr_warmup_iters:
             errors.append("--lr-decay-iters / --lr-warmup-iters need --train-iters; with "
@@ -234,10 +235,7 @@ def _schedule(args, dp: int, errors: List[str]) -> None:
 
 def _warmup_within_decay(args, errors: List[str]) -> None:
     # megatron-core's OptimizerParamScheduler asserts it (a traceback at start otherwise)
-    import argparse
-
-    decay_iters = args.lr_decay_iters or args.train_iters
-    steps = lr_schedule_steps(argparse.Namespace(**{**vars(args), "lr_decay_iters": decay_iters}))
+    steps = lr_schedule_steps(args)
     if steps["lr_warmup_steps"] >= steps["lr_decay_steps"]:
         iters = args.train_samples is None
         unit, flag = ("iterations", "--lr-decay-iters") if iters else ("samples",
