@@ -36,8 +36,10 @@ prepared corpus as for ``convergence.py --gpu`` (``tools/build_sample_corpus.py 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -99,6 +101,56 @@ def job_command(run: LabRun, name: str, port: int) -> List[str]:
     env = ["env"] + [f"{k}={v}" for k, v in COMMON_ENV.items()]
     return env + lab_command(run.nodes, run.ranks_per_node, G.job_flags(run, name),
                              python=run.python, master_port=port)
+
+
+_FINAL_VALIDATION = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss "
+                               r"value: ([0-9.Ee+-]+)")
+
+
+def eval_name(config: str, seed: int) -> str:
+    return f"zero3-as-{config}@seed{seed}"
+
+
+def eval_command(run: LabRun, name: str, port: int, eval_iters: int) -> List[str]:
+    """Evaluate zero3's last checkpoint of ``name``'s seed under ``name``'s configuration's
+    flags (``--skip-train``, so the weights are exactly the trained ones and only the forward
+    gathers differ: the discriminating check of issue 22). No ``--save``: nothing is written, and
+    several evaluations of one checkpoint may run at once."""
+    config, seed = split_name(name[len("zero3-as-"):])
+    flags = G.job_flags(run, name)
+    for flag in ("--save", "--exit-duration-in-mins", "--eval-iters"):
+        i = flags.index(flag)
+        del flags[i:i + 2]
+    flags[flags.index("--load") + 1] = os.path.join(run.run_dir, job_name("zero3", seed), "ckpt")
+    flags += ["--skip-train", "--eval-iters", str(eval_iters)]
+    env = ["env"] + [f"{k}={v}" for k, v in COMMON_ENV.items()]
+    return env + lab_command(run.nodes, run.ranks_per_node, flags, python=run.python,
+                             master_port=port)
+
+
+def evaluate_zero3(run: LabRun, configs: Sequence[str], seeds: Sequence[int], eval_iters: int,
+                   echo) -> Dict[str, dict]:
+    """zero3's final checkpoint of each seed evaluated under each of ``configs``: {config:
+    {seed: (iteration, validation loss) or None}}."""
+    names = {eval_name(c, s): LAB_CONFIGS[c] + ("--seed", str(s)) for c in configs for s in seeds}
+    erun = dataclasses.replace(run, configs=names)
+    codes = G.run_all(erun, echo=echo,
+                      command=lambda r, n, port: eval_command(r, n, port, eval_iters))
+    out: Dict[str, dict] = {}
+    for name in names:
+        config, seed = split_name(name[len("zero3-as-"):])
+        found = None
+        path = os.path.join(run.run_dir, name, "train.log")
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                for line in f:
+                    m = _FINAL_VALIDATION.search(line)
+                    if m:
+                        found = (int(m.group(1)), float(m.group(2)))
+        out.setdefault(config, {})[seed] = found
+        if found is None:
+            echo(f"{name}: no final validation line (exit code {codes[name]})")
+    return out
 
 
 def summary(results: Dict[str, dict], seeds: Sequence[int]) -> Dict[str, dict]:
@@ -169,6 +221,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--minutes", type=float, default=9.0,
                    help="each job saves and stops after this long (resume with another call)")
     p.add_argument("--qgz-error-interval", type=int, default=0)
+    p.add_argument("--evaluate-zero3-as", nargs="*", default=[], metavar="CONFIG",
+                   help="after training: evaluate zero3's final checkpoint of every seed under "
+                        "each of these configurations (--skip-train; e.g. zero3 qwz+hpz: exact "
+                        "and with qwZ weights)")
+    p.add_argument("--evaluate-iters", type=int, default=40,
+                   help="--eval-iters of those evaluations")
     p.add_argument("--json", default=None, help="write settings, curves and summary here")
     p.add_argument("--collect-only", action="store_true", help="read the logs back only")
     p.add_argument("--dry-run", action="store_true", help="print the job commands only")
@@ -177,6 +235,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [c for c in args.configs if c not in LAB_CONFIGS]
     if unknown or "zero3" not in args.configs:
         p.error(f"--configs: need zero3 and names from {list(LAB_CONFIGS)}, got {args.configs}")
+    bad = [c for c in args.evaluate_zero3_as if c not in LAB_CONFIGS]
+    if bad:
+        p.error(f"--evaluate-zero3-as: names from {list(LAB_CONFIGS)}, got {bad}")
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must differ, got {args.seeds}")
     try:
@@ -201,16 +262,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"exit codes: {codes}", file=sys.stderr)
     results = G.collect(run.run_dir, list(run.configs))
     summ = summary(results, args.seeds)
+    evaluations = {}
+    if args.evaluate_zero3_as:
+        evaluations = evaluate_zero3(run, args.evaluate_zero3_as, args.seeds,
+                                     args.evaluate_iters,
+                                     echo=lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k not in ("collect_only", "dry_run")}
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "dp": run.dp, "runs": results,
-                       "summary": summ}, f)
+                       "summary": summ, "zero3_evaluated_as": evaluations}, f)
     print(f"DP {run.dp} = {run.nodes} nodes x {run.ranks_per_node} on one GPU (numerics lab), "
           f"model {run.model}, {run.train_iters}-iteration schedule, global batch "
           f"{run.global_batch_size} sequences, seeds {args.seeds}\n")
     print(table(summ))
+    if evaluations:
+        print(f"\nzero3's final checkpoint evaluated ({args.evaluate_iters} batches) as:")
+        for config, per_seed in evaluations.items():
+            print(f"  {config}: " + ", ".join(
+                f"seed {s}: " + (f"{v[1]:.6f} at {v[0]}" if v else "-")
+                for s, v in sorted(per_seed.items())))
     return 0
 
 

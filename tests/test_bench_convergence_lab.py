@@ -118,3 +118,15 @@ def test_end_to_end_on_cpu(tmp_path, capsys):
     log = open(tmp_path / "run" / "zero3@seed1" / "train.log").read()
     assert "> numerics lab: 2 ranks share cpu" in log
     assert "| zero3 |" in capsys.readouterr().out
+
+
+def test_eval_command_reads_zero3s_checkpoint_and_writes_nothing(tmp_path):
+    run = _run(tmp_path)
+    run = L.dataclasses.replace(run, configs={
+        L.eval_name("qwz+hpz", 2): L.LAB_CONFIGS["qwz+hpz"] + ("--seed", "2")})
+    cmd = L.eval_command(run, L.eval_name("qwz+hpz", 2), 7, eval_iters=40)
+    assert _flag(cmd, "--load") == os.path.join(run.run_dir, "zero3@seed2", "ckpt")
+    assert "--save" not in cmd and "--exit-duration-in-mins" not in cmd
+    assert "--skip-train" in cmd and cmd.count("--eval-iters") == 1
+    assert _flag(cmd, "--eval-iters") == "40" and _flag(cmd, "--seed") == "2"
+    assert "--zeropp-qwz" in cmd and "--zeropp-hpz" in cmd

@@ -89,3 +89,25 @@ def test_a_killed_save_leaves_the_previous_checkpoint(sample_dir, tmp_path):
     resumed = run_distributed(_pretrain, 2, 2, args=(
         _argv(sample_dir, 4, ["--load", save]),))[0][0]
     assert resumed["iterations"] == [3, 4]
+
+
+def test_skip_train_evaluates_the_loaded_weights_and_writes_nothing(sample_dir, tmp_path):
+    # The run's own validation at iteration 2 reads the validation set from its first sample,
+    # as --skip-train does (Megatron-LM), with the same weights: the losses must be equal.
+    save = str(tmp_path / "ckpt")
+    evals = ["--eval-interval", "2", "--eval-iters", "2"]
+    trained = run_distributed(_pretrain, 2, 2, args=(
+        _argv(sample_dir, 2, ["--save", save] + evals),))[0][0]
+    (at, in_run), = trained["val_loss"]
+    assert at == 2
+    before = sorted(os.listdir(save))
+    exact = run_distributed(_pretrain, 2, 2, args=(
+        _argv(sample_dir, 2, ["--load", save, "--skip-train"] + evals),))[0][0]
+    assert exact["iterations"] == [] and exact["loss"] == []
+    assert exact["final_val_loss"] == [(2, in_run)]
+    assert sorted(os.listdir(save)) == before and latest_iteration(save) == 2
+    # the same weights through qwZ's INT8 gathers: another loss, so the flags act on evaluation
+    quantized = run_distributed(_pretrain, 2, 2, args=(
+        _argv(sample_dir, 2, ["--load", save, "--skip-train"] + evals + ZEROPP[:2]),))[0][0]
+    (_, q), = quantized["final_val_loss"]
+    assert q != in_run and abs(q - in_run) < 0.01 * in_run

@@ -255,6 +255,10 @@ def validate(args, world_size: int) -> List[str]:
         errors.append(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}"
         )
+    if getattr(args, "skip_train", False) and not args.no_load_optim:
+        # as Megatron-LM's validate_args: an evaluation needs no optimizer state
+        notes.append("--no-load-optim enabled: --skip-train")
+        args.no_load_optim = True
     # Megatron-LM's older spellings, mapped as its validate_args maps them.
     if args.recompute_activations:
         args.recompute_granularity = "selective"

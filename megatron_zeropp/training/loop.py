@@ -332,7 +332,12 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     if hasattr(model, "comm_counts"):
         model.comm_counts(reset=True)
     profiler = IterationProfiler(args, rank)
-    while iteration < args.train_iters:
+    if args.skip_train:
+        # Megatron-LM's --skip-train: evaluate the loaded weights and stop; its validation
+        # loader then starts at the first sample, not after the evaluations a run has done.
+        _log("skipping training (--skip-train is on) ...")
+        evals_done = 0
+    while iteration < args.train_iters and not args.skip_train:
         profiler.before_iteration(iteration)
         if hasattr(model, "set_training_progress"):
             model.set_training_progress(iteration, args.train_iters)

@@ -95,6 +95,8 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("lr_wsd_decay_*", HONOURED, "model: OptimizerParamScheduler (--lr-decay-style WSD)"),
     ("vocab_extra_ids", HONOURED, _vocab_extra_ids),
     ("padded_vocab_size", HONOURED, "loop: the embedding's rows, as given"),
+    ("skip_train", HONOURED, "loop: no training; validation from its first sample, then test "
+                             "(implies --no-load-optim)"),
     ("num_distributed_optimizer_instances", REFUSED,
      "the ZeRO++ layer shards the optimizer over the whole data-parallel group; megatron-core's "
      "partial distributed optimizer (several instances) is not built here"),

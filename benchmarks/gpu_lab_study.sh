@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The reduced seeded study of the numerics lab in one device call (issue 22 item 6, issue 23):
+# benchmarks/convergence_lab.py on the 23M GPT ("small"), 2 x 2 ranks on one GPU, 300-iteration
+# schedule, seeds 1234 and 1235, each job stopped after MINUTES; then, if EVAL is set (e.g.
+# EVAL="zero3 qwz+hpz"), zero3's last checkpoint of each seed evaluated under those
+# configurations (--skip-train). The device keeps nothing between calls, so everything a call
+# needs happens in it, and the logs are copied to OUTDIR under plain names.
+#
+# Needs (carried, ignored by git): .whl/m16/ (megatron-core 0.16.1 cp312 wheel,
+# ../shared/tools/device-wheels.sh) and runs/conv_data_small/ (tools/build_sample_corpus.py
+# --corpus sources --prepare).
+# Usage: [EVAL="zero3 qwz+hpz"] bash benchmarks/gpu_lab_study.sh OUTDIR MINUTES CONFIG...
+set -uo pipefail
+OUT=${1:?output directory}
+MINUTES=${2:?minutes per job}
+shift 2
+RUN=/tmp/lab_small
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-m16 .whl/m16/*.whl || exit 1
+export PYTHONPATH=/tmp/site-m16:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+date -u '+%Y-%m-%d %H:%M UTC' >> "$OUT/gpu.txt"
+# shellcheck disable=SC2086
+python3 benchmarks/convergence_lab.py --data-dir runs/conv_data_small --run-dir "$RUN" \
+    --model small --iters 300 --micro-batch-size 4 --global-batch-size 32 --eval-interval 50 \
+    --eval-iters 10 --seeds 1234 1235 --configs "$@" --minutes "$MINUTES" \
+    ${EVAL:+--evaluate-zero3-as $EVAL} --json "$OUT/lab_small.json" 2>&1 | tee "$OUT/lab_small.txt"
+rc=${PIPESTATUS[0]}
+for d in "$RUN"/*/; do
+    cp "$d/train.log" "$OUT/$(basename "$d" | tr '@+' '__').log"
+done
+exit "$rc"
