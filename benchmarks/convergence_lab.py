@@ -153,12 +153,16 @@ def evaluate_zero3(run: LabRun, configs: Sequence[str], seeds: Sequence[int], ev
     return out
 
 
-def summary(results: Dict[str, dict], seeds: Sequence[int]) -> Dict[str, dict]:
-    """Per configuration: final validation loss per seed (at the last validation every job
-    reached), mean, spread (max - min) and the gap of the mean to zero3's mean."""
-    reached = [set(i for i, _ in h["val_loss"]) for h in results.values()]
-    common = set.intersection(*reached) if reached else set()
-    at = max(common) if common else None
+def summary(results: Dict[str, dict], seeds: Sequence[int],
+            at: Optional[int] = None) -> Dict[str, dict]:
+    """Per configuration: final validation loss per seed (at validation iteration ``at``, by
+    default the last one every job reached), mean, spread (max - min), the gap of the mean to
+    zero3's mean, and the paired gap per seed (to zero3 of the same seed: the same
+    initialisation and data order, so it is free of the seed-to-seed spread)."""
+    if at is None:
+        reached = [set(i for i, _ in h["val_loss"]) for h in results.values()]
+        common = set.intersection(*reached) if reached else set()
+        at = max(common) if common else None
     out: Dict[str, dict] = {}
     for name, h in results.items():
         config, seed = split_name(name)
@@ -169,10 +173,14 @@ def summary(results: Dict[str, dict], seeds: Sequence[int]) -> Dict[str, dict]:
         vals = [v for v in entry["val_loss"].values() if v is not None]
         entry["mean"] = statistics.fmean(vals) if vals else None
         entry["spread"] = max(vals) - min(vals) if len(vals) > 1 else None
-    base = out.get("zero3", {}).get("mean")
+    base = out.get("zero3", {})
     for entry in out.values():
-        entry["gap_pct"] = (100 * (entry["mean"] - base) / base
-                            if base and entry["mean"] is not None else None)
+        entry["gap_pct"] = (100 * (entry["mean"] - base["mean"]) / base["mean"]
+                            if base.get("mean") and entry["mean"] is not None else None)
+        entry["paired_gap_pct"] = {
+            s: 100 * (v - base["val_loss"][s]) / base["val_loss"][s]
+            for s, v in entry["val_loss"].items()
+            if v is not None and base.get("val_loss", {}).get(s) is not None}
     return out
 
 
@@ -181,15 +189,17 @@ def table(summ: Dict[str, dict]) -> str:
         return "(no runs)"
     at = next(iter(summ.values()))["at"]
     rows = [f"| configuration | validation loss at {at} per seed | mean | spread | gap of the "
-            "mean to zero3 | iterations run |", "|---|---|---:|---:|---:|---|"]
+            "mean to zero3 | paired gap per seed | iterations run |",
+            "|---|---|---:|---:|---:|---|---|"]
     for config, e in summ.items():
         per_seed = ", ".join(f"{s}: {v:.4f}" if v is not None else f"{s}: -"
                              for s, v in sorted(e["val_loss"].items()))
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
         gap = f"{e['gap_pct']:+.3f} %" if e["gap_pct"] is not None else "-"
+        paired = ", ".join(f"{g:+.3f} %" for _, g in sorted(e["paired_gap_pct"].items())) or "-"
         its = ", ".join(str(i) for _, i in sorted(e["iterations"].items()))
         rows.append(f"| {config} | {per_seed} | {fmt(e['mean'], '.4f')} | "
-                    f"{fmt(e['spread'], '.4f')} | {gap} | {its} |")
+                    f"{fmt(e['spread'], '.4f')} | {gap} | {paired} | {its} |")
     return "\n".join(rows)
 
 
@@ -227,6 +237,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "and with qwZ weights)")
     p.add_argument("--evaluate-iters", type=int, default=40,
                    help="--eval-iters of those evaluations")
+    p.add_argument("--at", type=int, default=None,
+                   help="summarise at this validation iteration (default: the last every job "
+                        "reached)")
     p.add_argument("--json", default=None, help="write settings, curves and summary here")
     p.add_argument("--collect-only", action="store_true", help="read the logs back only")
     p.add_argument("--dry-run", action="store_true", help="print the job commands only")
@@ -261,7 +274,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           command=job_command)
         print(f"exit codes: {codes}", file=sys.stderr)
     results = G.collect(run.run_dir, list(run.configs))
-    summ = summary(results, args.seeds)
+    summ = summary(results, args.seeds, args.at)
     evaluations = {}
     if args.evaluate_zero3_as:
         evaluations = evaluate_zero3(run, args.evaluate_zero3_as, args.seeds,

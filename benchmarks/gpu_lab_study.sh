@@ -4,7 +4,7 @@
 # schedule, seeds 1234 and 1235, each job stopped after MINUTES; then, if EVAL is set (e.g.
 # EVAL="zero3 qwz+hpz"), zero3's last checkpoint of each seed evaluated under those
 # configurations (--skip-train). The device keeps nothing between calls, so everything a call
-# needs happens in it, and the logs are copied to OUTDIR under plain names.
+# needs happens in it; the logs come back as OUTDIR/logs.tar.gz.
 #
 # Needs (carried, ignored by git): .whl/m16/ (megatron-core 0.16.1 cp312 wheel,
 # ../shared/tools/device-wheels.sh) and runs/conv_data_small/ (tools/build_sample_corpus.py
@@ -26,7 +26,6 @@ python3 benchmarks/convergence_lab.py --data-dir runs/conv_data_small --run-dir 
     --eval-iters 10 --seeds 1234 1235 --configs "$@" --minutes "$MINUTES" \
     ${EVAL:+--evaluate-zero3-as $EVAL} --json "$OUT/lab_small.json" 2>&1 | tee "$OUT/lab_small.txt"
 rc=${PIPESTATUS[0]}
-for d in "$RUN"/*/; do
-    cp "$d/train.log" "$OUT/$(basename "$d" | tr '@+' '__').log"
-done
+# one archive: the device returns a handful of files per call
+(cd "$RUN" && tar czf "$OUT/logs.tar.gz" ./*/train.log ./*/*.jsonl 2>/dev/null) || true
 exit "$rc"

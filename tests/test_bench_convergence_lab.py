@@ -93,6 +93,15 @@ def test_summary_mean_spread_and_gap():
     assert s["zero3"]["mean"] == pytest.approx(2.1) and s["zero3"]["spread"] == pytest.approx(0.2)
     assert s["all3"]["gap_pct"] == pytest.approx(100 * 0.2 / 2.1)
     assert "+9.524 %" in L.table(s)
+    # paired: each seed against zero3 of the same seed
+    assert s["all3"]["paired_gap_pct"] == {1: pytest.approx(10.0),
+                                           2: pytest.approx(100 * 0.2 / 2.2)}
+    assert "+10.000 %, +9.091 %" in L.table(s)
+    # an explicit validation iteration; a job that did not reach it has no value there
+    results["all3@seed1"] = {"iterations": [1, 2, 3], "val_loss": [(2, 2.2), (3, 2.0)]}
+    s = L.summary(results, [1, 2], at=3)
+    assert s["all3"]["val_loss"] == {1: 2.0, 2: None} and s["zero3"]["mean"] is None
+    assert s["all3"]["paired_gap_pct"] == {} and s["all3"]["gap_pct"] is None
     # The gap can be negative and is read at the last validation every job reached.
     results["all3@seed2"] = {"iterations": [1, 2, 3], "val_loss": [(2, 1.8), (3, 1.0)]}
     s = L.summary(results, [1, 2])
