@@ -223,12 +223,29 @@ def test_modelled_bytes_equal_the_bytes_handed_to_torch_distributed(zeropp):
                 assert _mismatches(payload, handed)
 
 
-def _log_bytes(ctx, nmb):
+def _log_bytes(ctx, nmb, slow_comm_thread=False, no_drain=False):
+    """The bytes fields of every log line, by line."""
     import io
+    import threading
+    import time
     from contextlib import redirect_stdout
 
+    from megatron_zeropp.comm import common
+    from megatron_zeropp.sharding import data_parallel
     from megatron_zeropp.training.loop import pretrain
 
+    if slow_comm_thread:
+        # A comm thread that runs late: the next step's prefetch, queued at the end of a step,
+        # then hands its tensors over after the loop has taken that step's counts.
+        record = common._record_handed
+
+        def late(*args):
+            if threading.current_thread().name.startswith("zeropp-comm"):
+                time.sleep(0.02)
+            record(*args)
+        common._record_handed = late
+    if no_drain:
+        data_parallel.drain = lambda: None
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
             "--global-batch-size", str(ctx.world_size * nmb), "--lr", "1e-3",
@@ -239,24 +256,37 @@ def _log_bytes(ctx, nmb):
     buf = io.StringIO()
     with redirect_stdout(buf):
         pretrain(argv)
-    fields = {}
-    # the last line, iteration 3's: as in Megatron-LM, line 2 also averages in iteration 1
+    lines = []
     for line in buf.getvalue().splitlines():
         if " iteration " in line and "|" in line:  # Megatron-LM's "[timestamp] iteration ..."
+            fields = {}
             for part in line.split("|"):
                 if "inter-node bytes per iteration" in part:
                     key, value = part.rsplit(":", 1)
                     fields[key.strip()] = float(value)
-    return fields
+            lines.append(fields)
+    return lines
+
+
+MODELLED, AT_CALL = "inter-node bytes per iteration", "inter-node bytes per iteration at the call"
 
 
 def test_log_line_bytes_do_not_grow_with_micro_batches():
-    one = run_distributed(_log_bytes, 2, 2, args=(1,))[-1]  # the last rank logs
-    four = run_distributed(_log_bytes, 2, 2, args=(4,))[-1]
-    for key in ("inter-node bytes per iteration", "inter-node bytes per iteration at the call"):
+    # the last line, iteration 3's: as in Megatron-LM, line 2 also averages in iteration 1
+    one = run_distributed(_log_bytes, 2, 2, args=(1,))[-1][-1]  # the last rank logs
+    four = run_distributed(_log_bytes, 2, 2, args=(4,))[-1][-1]
+    for key in (MODELLED, AT_CALL):
         assert 0 < four[key] <= 1.25 * one[key], (key, one, four)
-    at_call = one["inter-node bytes per iteration at the call"]
-    assert one["inter-node bytes per iteration"] == at_call
+    assert one[MODELLED] == one[AT_CALL]
+
+
+def test_log_line_bytes_at_the_call_equal_the_model_on_every_line():
+    # Every line, the first included, even when the comm thread runs late: the counts wait for
+    # the queued prefetch. Without that wait, the same late thread splits them (control).
+    for lines in run_distributed(_log_bytes, 2, 2, args=(1, True))[-1:]:
+        assert len(lines) == 3 and all(f[MODELLED] == f[AT_CALL] > 0 for f in lines), lines
+    broken = run_distributed(_log_bytes, 2, 2, args=(1, True, True))[-1]
+    assert any(f[MODELLED] != f[AT_CALL] for f in broken), broken
 
 
 # -- sharded gradients under TP (sequence parallel) and PP (tied embedding) -----------------------

@@ -15,7 +15,7 @@ from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter, qgz_residual_input
 from .qgz_feedback import QgzResidual
 from .qwz import qwz_all_gather
 from .qwz_diff import qwz_diff_all_gather
-from .work import CommHandle
+from .work import CommHandle, drain
 
 __all__ = [
     "CommHandle",
@@ -26,6 +26,7 @@ __all__ = [
     "SecondaryWeights",
     "StaleSecondaryError",
     "StepCounts",
+    "drain",
     "host_staging_forced",
     "qgz_plan",
     "qgz_reduce_scatter",

@@ -141,6 +141,17 @@ def _queued_busy() -> bool:
     return t is not None and t.pid == os.getpid() and t.busy()
 
 
+def drain() -> None:
+    """Wait until every call queued on this process's CPU comm thread has run.
+
+    A call's modelled bytes are counted when it is issued, the bytes it hands to
+    ``torch.distributed`` when it runs; a per-step count taken while a prefetch queued at the end
+    of the step is still waiting would put the two in different steps. CUDA calls run when
+    issued: nothing to wait for there."""
+    if _queued_busy() and not _on_comm_thread():
+        _comm_thread().submit(lambda: None).result()  # FIFO: runs after everything queued
+
+
 def _on_comm_thread() -> bool:
     t = _THREAD
     return t is not None and t.pid == os.getpid() and threading.current_thread().name.startswith(

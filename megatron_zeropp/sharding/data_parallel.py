@@ -38,6 +38,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_zeropp.comm import drain
 from megatron_zeropp.mcore.buffers import BaseDataParallel
 from megatron_zeropp.topology import ProcessGroups, Topology, build_process_groups
 
@@ -524,7 +525,10 @@ class ZeroPPDataParallel(BaseDataParallel):
     # -- reporting ------------------------------------------------------------------------
     def comm_counts(self, reset: bool = True) -> dict:
         """Bytes sent by this rank per phase (``forward``, ``backward``, ``grad``) since the last
-        reset, as :class:`megatron_zeropp.comm.StepCounts`."""
+        reset, as :class:`megatron_zeropp.comm.StepCounts`. Waits for queued CPU calls first
+        (the next step's prefetch), so that their bytes at the call land in the same count as
+        their modelled bytes."""
+        drain()
         return {
             phase: (s.step() if reset else s.peek()) for phase, s in self.comm.stats.items()
         }
