@@ -9,6 +9,9 @@ after ``--minutes`` and resumes from its checkpoint on the next call (as ``conve
 Configurations (``LAB_CONFIGS``):
 
     zero3        ZeRO-3 (no ZeRO++ flag), the baseline every gap refers to
+    zero3+sg     ZeRO-3 with sharded gradients: the same fp32 sums in another order, no
+                 quantization; its gap to zero3 is the study's noise floor (how far a run moves
+                 when only rounding order changes)
     qwz+hpz      qwZ + hpZ (small parameters exact: the default)
     all3-old     all three as measured in issue 15: every parameter quantized (threshold 0),
                  qgZ INT4 on both hops (blocks are per parameter now; that part cannot be undone)
@@ -57,6 +60,7 @@ from numerics_lab import lab_command  # noqa: E402
 _ALL3 = ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz")
 LAB_CONFIGS: Dict[str, Tuple[str, ...]] = {
     "zero3": (),
+    "zero3+sg": ("--zeropp-shard-grads",),
     "qwz+hpz": ("--zeropp-qwz", "--zeropp-hpz"),
     "all3-old": _ALL3 + ("--zeropp-small-param-threshold", "0", "--zeropp-qgz-intra-bits", "4"),
     "all3": _ALL3,
@@ -203,6 +207,51 @@ def table(summ: Dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def plot(results: Dict[str, dict], path: str) -> None:
+    """Validation loss per configuration (mean over seeds, the seeds' range shaded) and each
+    seed's paired gap to zero3 of the same seed, over the validation iterations, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_config: Dict[str, Dict[int, Dict[int, float]]] = {}
+    for name, h in results.items():
+        config, seed = split_name(name)
+        by_config.setdefault(config, {})[seed] = dict(h["val_loss"])
+    base = by_config.get("zero3", {})
+    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (config, seeds) in enumerate(by_config.items()):
+        color = f"C{i}"
+        its = sorted(set.intersection(*(set(v) for v in seeds.values())))
+        if not its:
+            continue
+        vals = [[seeds[s][it] for s in seeds] for it in its]
+        ax_loss.plot(its, [statistics.fmean(v) for v in vals], color=color, marker="o",
+                     label=f"{config} ({len(seeds)} seeds)")
+        ax_loss.fill_between(its, [min(v) for v in vals], [max(v) for v in vals], color=color,
+                             alpha=0.15)
+        if config == "zero3":
+            continue
+        for j, (seed, curve) in enumerate(sorted(seeds.items())):
+            ref = base.get(seed, {})
+            pts = [(it, 100 * (curve[it] - ref[it]) / ref[it]) for it in sorted(curve)
+                   if it in ref]
+            if pts:
+                ax_gap.plot(*zip(*pts), color=color, marker="os^v"[j % 4], linewidth=1,
+                            label=f"{config}, seed {seed}")
+    ax_loss.set_xlabel("iteration")
+    ax_loss.set_ylabel("validation loss")
+    ax_loss.legend(fontsize=8)
+    ax_gap.axhline(0, color="black", linewidth=0.8)
+    ax_gap.set_xlabel("iteration")
+    ax_gap.set_ylabel("gap to zero3 of the same seed (%)")
+    ax_gap.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _data(data_dir: str) -> Tuple[Tuple[str, str], int]:
     with open(os.path.join(data_dir, "sample_data.json")) as f:
         data = json.load(f)["data"]
@@ -218,7 +267,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="a prepared corpus (tools/build_sample_corpus.py --prepare)")
     p.add_argument("--run-dir", default="runs/lab", help="checkpoints and logs, per job")
     p.add_argument("--configs", nargs="+", default=list(LAB_CONFIGS),
-                   help=f"from {list(LAB_CONFIGS)} (default: all; zero3 is required)")
+                   help=f"from {list(LAB_CONFIGS)} (default: all; without zero3, gaps need "
+                        "its runs from --merge)")
+    p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                   help="add the runs of earlier calls' --json files to the summary and plot "
+                        "(the runs are deterministic: a configuration need not run twice)")
     p.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235])
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes K")
     p.add_argument("--ranks-per-node", type=int, default=2, help="simulated GPUs per node N")
@@ -240,17 +293,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--at", type=int, default=None,
                    help="summarise at this validation iteration (default: the last every job "
                         "reached)")
+    p.add_argument("--plot", default=None, help="write the curves as a PNG here (matplotlib)")
     p.add_argument("--json", default=None, help="write settings, curves and summary here")
     p.add_argument("--collect-only", action="store_true", help="read the logs back only")
     p.add_argument("--dry-run", action="store_true", help="print the job commands only")
     p.add_argument("extra", nargs="*", help="after --: more pretrain_gpt.py flags, every job")
     args = p.parse_args(argv)
     unknown = [c for c in args.configs if c not in LAB_CONFIGS]
-    if unknown or "zero3" not in args.configs:
-        p.error(f"--configs: need zero3 and names from {list(LAB_CONFIGS)}, got {args.configs}")
+    if unknown:
+        p.error(f"--configs: names from {list(LAB_CONFIGS)}, got {args.configs}")
     bad = [c for c in args.evaluate_zero3_as if c not in LAB_CONFIGS]
     if bad:
         p.error(f"--evaluate-zero3-as: names from {list(LAB_CONFIGS)}, got {bad}")
+    if args.evaluate_zero3_as and "zero3" not in args.configs:
+        p.error("--evaluate-zero3-as evaluates zero3's checkpoints: --configs must include zero3")
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must differ, got {args.seeds}")
     try:
@@ -274,6 +330,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                           command=job_command)
         print(f"exit codes: {codes}", file=sys.stderr)
     results = G.collect(run.run_dir, list(run.configs))
+    for path in args.merge:
+        with open(path) as f:
+            for name, h in json.load(f)["runs"].items():
+                if not results.get(name, {}).get("iterations"):  # this call's own run wins
+                    results[name] = h
     summ = summary(results, args.seeds, args.at)
     evaluations = {}
     if args.evaluate_zero3_as:
@@ -286,6 +347,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "dp": run.dp, "runs": results,
                        "summary": summ, "zero3_evaluated_as": evaluations}, f)
+    if args.plot:
+        plot(results, args.plot)
     print(f"DP {run.dp} = {run.nodes} nodes x {run.ranks_per_node} on one GPU (numerics lab), "
           f"model {run.model}, {run.train_iters}-iteration schedule, global batch "
           f"{run.global_batch_size} sequences, seeds {args.seeds}\n")

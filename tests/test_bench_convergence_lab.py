@@ -139,3 +139,39 @@ def test_eval_command_reads_zero3s_checkpoint_and_writes_nothing(tmp_path):
     assert "--skip-train" in cmd and cmd.count("--eval-iters") == 1
     assert _flag(cmd, "--eval-iters") == "40" and _flag(cmd, "--seed") == "2"
     assert "--zeropp-qwz" in cmd and "--zeropp-hpz" in cmd
+
+
+def test_merge_earlier_calls_and_plot(tmp_path, capsys):
+    # zero3 ran in an earlier call: its runs come from that call's JSON, and the gaps use them
+    def h(vals):
+        return {"iterations": [1, 2], "loss": [3.0, 2.0], "grad_norm": [1.0, 1.0],
+                "ms": [1.0, 1.0], "val_loss": [[1, vals[0]], [2, vals[1]]], "qgz_error": []}
+    earlier = tmp_path / "a.json"
+    earlier.write_text(json.dumps({"runs": {"zero3@seed1": h([3.0, 2.0]),
+                                            "zero3@seed2": h([3.2, 2.2])}}))
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("t.idx", "v.idx"):
+        (data / name).write_bytes(b"")
+    (data / "sample_data.json").write_text(json.dumps({"data": {
+        "train_data_prefix": "/elsewhere/t", "valid_data_prefix": "/elsewhere/v",
+        "vocab_size": 128}}))
+    run_dir = tmp_path / "run"
+    for seed, vals in ((1, (3.1, 2.1)), (2, (3.2, 2.2))):
+        d = run_dir / f"all3@seed{seed}"
+        d.mkdir(parents=True)
+        (d / "train.log").write_text("".join(
+            f" validation loss at iteration {i} | lm loss value: {v:.6E} | lm loss PPL: 1 |\n"
+            for i, v in ((1, vals[0]), (2, vals[1]))))
+    png = tmp_path / "c.png"
+    assert L.main(["--data-dir", str(data), "--run-dir", str(run_dir), "--configs", "all3",
+                   "--seeds", "1", "2", "--collect-only", "--merge", str(earlier),
+                   "--plot", str(png), "--json", str(tmp_path / "b.json"),
+                   "--global-batch-size", "64"]) == 0
+    summ = json.load(open(tmp_path / "b.json"))["summary"]
+    assert summ["all3"]["paired_gap_pct"] == {"1": pytest.approx(5.0), "2": 0.0}
+    assert png.stat().st_size > 10000
+    with pytest.raises(SystemExit):
+        L.main(["--data-dir", str(data), "--configs", "all3", "--evaluate-zero3-as", "zero3",
+                "--global-batch-size", "64", "--dry-run"])
+    assert "must include zero3" in capsys.readouterr().err
