@@ -19,10 +19,11 @@ order, so for round-to-nearest the codes, scales and outputs equal the reference
   Triton (bf16 is never reinterpreted as fp16).
 
 Stochastic rounding by row keys (``row_keys`` / ``out_row_keys``) computes the counter-based
-hash of :mod:`.rounding` in uint32 arithmetic, ``q = clamp(floor(y + u))``, bit-identical to the
-reference; the INT4 nibble-major requantize path is skipped for it (the generic one knows each
-element's column). Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
-(tests).
+hash of :mod:`.rounding` in uint32 arithmetic, one hash per pair of columns (the tile is split
+into even and odd columns, or, for INT4, into the 8 nibble-major components, which pair up as
+(0, 1), (2, 3), (4, 5), (6, 7)), and rounds with one fp32 addition, one integer addition and one
+shift per element (``(bits(y + 384) + r) >> 15``, see :mod:`.rounding`), bit-identical to the
+reference. Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 
 Each program handles one tile of ``G`` consecutive blocks of one row (rows never share a tile), so
 a block's absmax is a reduction inside the program and nothing crosses programs. The kernels are
@@ -75,6 +76,13 @@ _MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of _MAGIC
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # _pack_words: 8 * 0x11111111 - 0x4B400000 * 0x11111111 (mod 2**32), and 0x88888888.
 _PACK_OFFSET = tl.constexpr(0x49488888)
+# Stochastic rounding: y + 384 lies in [256, 512), where the fp32 spacing is 2**-15 (.rounding).
+_SR_SHIFT = tl.constexpr(384.0)
+# (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's complement byte
+# (and low nibble q's nibble); the bias rides along in the same 3-input integer addition.
+_SR_BIAS = tl.constexpr(0x80 << 15)
+# _pack_words' offset for codes of the form q + 0x8800: (8 - 0x8800) * 0x11111111 (mod 2**32).
+_SR_PACK_OFFSET = tl.constexpr(0x77778088)
 _FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
 
@@ -146,6 +154,18 @@ def _block_params(absmax, QMAX_F: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, ok, p, inv, plain):
+    """``y = ((x if ok else 0) * p) * inv`` of ``x [G, n]``; in a ``plain`` tile that is
+    ``x * inv``."""
+    if plain:
+        y = x * inv[:, None]
+    else:
+        xs = tl.where(ok[:, None], x, 0.0)
+        y = (xs * p[:, None]) * inv[:, None]
+    return y
+
+
+@triton.jit
 def _codes(x, ok, p, inv, plain):
     """int32 whose low bits are the code of each element of ``x [G, n]`` (rounded half to even).
 
@@ -153,12 +173,7 @@ def _codes(x, ok, p, inv, plain):
     ``inv = fl(qmax / (absmax p))`` give ``|y| <= qmax (1 + 2**-23)``, which rounds to at most
     qmax, so the kernels skip it. In a ``plain`` tile ``(x if ok else 0) * p`` is ``x`` itself.
     """
-    if plain:
-        y = x * inv[:, None]
-    else:
-        xs = tl.where(ok[:, None], x, 0.0)
-        y = (xs * p[:, None]) * inv[:, None]
-    return (y + _MAGIC).to(tl.int32, bitcast=True)
+    return (_scaled(x, ok, p, inv, plain) + _MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -173,16 +188,47 @@ def _mix32(x):
 
 
 @triton.jit
-def _codes_sr(x, ok, p, inv, cols, key, QMAX_F: tl.constexpr):
-    """Stochastically rounded codes (as :func:`_codes` returns them) of ``x [G, n]`` at row
-    columns ``cols``: ``u = (mix32(col ^ key) >> 8) * 2**-24``, ``clamp(floor(y + u))``."""
-    xs = tl.where(ok[:, None], x, 0.0)
-    y = (xs * p[:, None]) * inv[:, None]
-    h = _mix32(cols.to(tl.uint32) ^ key)
-    u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-    q = tl.floor(y + u)
-    q = tl.minimum(tl.maximum(q, -QMAX_F), QMAX_F)
-    return (q + _MAGIC).to(tl.int32, bitcast=True)
+def _sr_pair(ya, yb, h):
+    """Stochastically rounded codes ``q + 0x8800`` (int32) of columns 2j (``ya``) and 2j + 1
+    (``yb``) from their pair's hash ``h``: ``r = h & 0x7FFF`` and ``h >> 17``.
+
+    No floor, clamp or conversion: ``(bits(y + 384) + r) >> 15 = q + 0x8780`` already lies in
+    ``[-qmax, qmax] + 0x8780`` (proof in :mod:`.rounding`)."""
+    ba = (ya + _SR_SHIFT).to(tl.int32, bitcast=True)
+    bb = (yb + _SR_SHIFT).to(tl.int32, bitcast=True)
+    ra = (h & 0x7FFF).to(tl.int32, bitcast=True)
+    rb = (h >> 17).to(tl.int32, bitcast=True)
+    return (ba + ra + _SR_BIAS) >> 15, (bb + rb + _SR_BIAS) >> 15
+
+
+@triton.jit
+def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
+    """Stochastically rounded INT8 codes of ``x [G, BS]`` (tile t; low byte = code), one hash
+    per pair of columns: the tile is split into even and odd columns and joined back."""
+    e, o = tl.split(tl.reshape(x, (G, BS // 2, 2)))
+    pairs = (t * G + tl.arange(0, G))[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    h = _mix32(pairs.to(tl.uint32) ^ key)
+    qe, qo = _sr_pair(_scaled(e, ok, p, inv, plain), _scaled(o, ok, p, inv, plain), h)
+    return tl.reshape(tl.join(qe, qo), (G, BS))
+
+
+@triton.jit
+def _sr_words(c0, c1, c2, c3, c4, c5, c6, c7, ok, p, inv, plain, t, key, W: tl.constexpr,
+              G: tl.constexpr):
+    """Stochastically rounded INT4 words of nibble-major values ``c_k [G, W]`` (``c_k[g, i]`` is
+    column 8 (W (t G + g) + i) + k of the row): components 2m and 2m + 1 are a pair, column
+    pair 4 (W (t G + g) + i) + m, so four hashes per word."""
+    words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]
+    base = (words * 4).to(tl.uint32) ^ key  # pair 4 w + m is (4 w) ^ m: m < 4
+    q0, q1 = _sr_pair(_scaled(c0, ok, p, inv, plain), _scaled(c1, ok, p, inv, plain),
+                      _mix32(base))
+    q2, q3 = _sr_pair(_scaled(c2, ok, p, inv, plain), _scaled(c3, ok, p, inv, plain),
+                      _mix32(base ^ 1))
+    q4, q5 = _sr_pair(_scaled(c4, ok, p, inv, plain), _scaled(c5, ok, p, inv, plain),
+                      _mix32(base ^ 2))
+    q6, q7 = _sr_pair(_scaled(c6, ok, p, inv, plain), _scaled(c7, ok, p, inv, plain),
+                      _mix32(base ^ 3))
+    return _pack_words(q0, q1, q2, q3, q4, q5, q6, q7, _SR_PACK_OFFSET)
 
 
 @triton.jit
@@ -228,15 +274,16 @@ def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @triton.jit
-def _pack_words(c0, c1, c2, c3, c4, c5, c6, c7):
-    """Codes from :func:`_codes` (int32 ``0x4B400000 + code``), nibble-major -> int32 words.
+def _pack_words(c0, c1, c2, c3, c4, c5, c6, c7, OFFSET: tl.constexpr):
+    """Codes ``c_k = C + code_k`` (int32; from :func:`_codes`, ``C = 0x4B400000``, or from
+    :func:`_sr_pair`, ``C = 0x8800``), nibble-major -> int32 words.
 
     With ``u = code + 8`` (1..15), ``sum_k u_k 16**k`` is the plain concatenation of the nibbles
     ``u_k``, and XOR 0x88888888 turns each ``u_k`` into the two's complement nibble of its code.
-    Since ``c_k = 0x4B400000 + code_k``, that sum is ``sum_k c_k 16**k`` plus a constant
-    (mod 2**32): one shift-and-add per code instead of a mask, a shift and an OR.
+    That sum is ``sum_k c_k 16**k`` plus ``OFFSET = (8 - C) * 0x11111111`` (mod 2**32): one
+    shift-and-add per code instead of a mask, a shift and an OR.
     """
-    w = c0.to(tl.uint32, bitcast=True) + _PACK_OFFSET
+    w = c0.to(tl.uint32, bitcast=True) + OFFSET
     w += c1.to(tl.uint32, bitcast=True) << 4
     w += c2.to(tl.uint32, bitcast=True) << 8
     w += c3.to(tl.uint32, bitcast=True) << 12
@@ -294,6 +341,20 @@ def _load_scales(scale_ptr, row, t, nblocks_row, G: tl.constexpr, EVEN: tl.const
 
 
 @triton.jit
+def _split8(v, BS: tl.constexpr, G: tl.constexpr):
+    """``v [G, BS]`` -> nibble-major ``c_k [G, BS // 8]``, ``c_k[g, i] = v[g, 8 i + k]``."""
+    c = tl.reshape(v, (G, BS // 8, 2, 2, 2))  # [g, i, k2, k1, k0], k = 4 k2 + 2 k1 + k0
+    e, o = tl.split(c)  # k0 = 0, 1
+    e0, e1 = tl.split(e)  # k1
+    o0, o1 = tl.split(o)
+    c0, c4 = tl.split(e0)  # k2
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS: tl.constexpr,
                     QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
                     FAST: tl.constexpr, keys_ptr, STOCHASTIC: tl.constexpr):
@@ -307,25 +368,23 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
     _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
     if STOCHASTIC:
         key = tl.load(keys_ptr + row).to(tl.uint32)
-        cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
-        codes = _codes_sr(x, ok, p, inv, cols, key, QMAX_F)
-    else:
-        codes = _codes(x, ok, p, inv, plain)
     if BITS == 8:
+        if STOCHASTIC:
+            codes = _sr_int8(x, ok, p, inv, plain, t, key, BS, G)
+        else:
+            codes = _codes(x, ok, p, inv, plain)
         # truncation to int8 keeps the low byte: the two's complement code
         _store_row_tile(data_ptr, codes.to(tl.int8), row, t, nbytes_row, nblocks_row, BS, G,
                         EVEN)
     else:
-        c = tl.reshape(codes, (G, BS // 8, 2, 2, 2))  # [g, i, k2, k1, k0], k = 4 k2 + 2 k1 + k0
-        e, o = tl.split(c)  # k0 = 0, 1
-        e0, e1 = tl.split(e)  # k1
-        o0, o1 = tl.split(o)
-        c0, c4 = tl.split(e0)  # k2
-        c2, c6 = tl.split(e1)
-        c1, c5 = tl.split(o0)
-        c3, c7 = tl.split(o1)
-        _store_row_tile(data_ptr, _pack_words(c0, c1, c2, c3, c4, c5, c6, c7), row, t,
-                        nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
+        if STOCHASTIC:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x, BS, G)
+            words = _sr_words(c0, c1, c2, c3, c4, c5, c6, c7, ok, p, inv, plain, t, key,
+                              BS // 8, G)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(_codes(x, ok, p, inv, plain), BS, G)
+            words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7, _PACK_OFFSET)
+        _store_row_tile(data_ptr, words, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
 
 
 @triton.jit
@@ -454,8 +513,9 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             a5 = tl.fma(c5, s, a5)
             a6 = tl.fma(c6, s, a6)
             a7 = tl.fma(c7, s, a7)
-        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN and not STOCHASTIC:
-            # Requantize without leaving the nibble-major layout.
+        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN:
+            # Requantize without leaving the nibble-major layout (stochastic rounding too: the
+            # components pair up as the hash needs).
             m = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1), propagate_nan=_ALL),
                                       tl.maximum(tl.abs(a2), tl.abs(a3), propagate_nan=_ALL),
                                       propagate_nan=_ALL),
@@ -466,11 +526,17 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             absmax = tl.reduce(m, 1, _max_nan)
             ok, scale, pp, inv, plain = _block_params(absmax, OUT_QMAX_F, FAST)
             _store_scales(scale, row, t, out_scale_ptr, nblocks_out, GI, EVEN)
-            words = _pack_words(
-                _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
-                _codes(a2, ok, pp, inv, plain), _codes(a3, ok, pp, inv, plain),
-                _codes(a4, ok, pp, inv, plain), _codes(a5, ok, pp, inv, plain),
-                _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain))
+            if STOCHASTIC:
+                key = tl.load(keys_ptr + row).to(tl.uint32)
+                words = _sr_words(a0, a1, a2, a3, a4, a5, a6, a7, ok, pp, inv, plain, t, key,
+                                  W, GI)
+            else:
+                words = _pack_words(
+                    _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
+                    _codes(a2, ok, pp, inv, plain), _codes(a3, ok, pp, inv, plain),
+                    _codes(a4, ok, pp, inv, plain), _codes(a5, ok, pp, inv, plain),
+                    _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain),
+                    _PACK_OFFSET)
             _store_row_tile(out_data_ptr, words, row, t, nbytes_out // 4, nblocks_out, W, GI,
                             EVEN)
         else:
