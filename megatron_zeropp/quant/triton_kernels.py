@@ -78,11 +78,12 @@ _ALL = tl.constexpr(tl.PropagateNan.ALL)
 _PACK_OFFSET = tl.constexpr(0x49488888)
 # Stochastic rounding: y + 384 lies in [256, 512), where the fp32 spacing is 2**-15 (.rounding).
 _SR_SHIFT = tl.constexpr(384.0)
-# (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's complement byte
-# (and low nibble q's nibble); the bias rides along in the same 3-input integer addition.
+# INT8: (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's
+# complement byte; the bias rides along in the same 3-input integer addition.
 _SR_BIAS = tl.constexpr(0x80 << 15)
-# _pack_words' offset for codes of the form q + 0x8800: (8 - 0x8800) * 0x11111111 (mod 2**32).
-_SR_PACK_OFFSET = tl.constexpr(0x77778088)
+# INT4: _pack_words' offset for codes q + 0x8780: (8 - 0x8780) * 0x11111111 (mod 2**32). No bias
+# there, so that the odd column's b + (h >> 17) can be a single LEA.HI.
+_SR_PACK_OFFSET = tl.constexpr(0x00000908)
 _FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
 
@@ -188,47 +189,63 @@ def _mix32(x):
 
 
 @triton.jit
-def _sr_pair(ya, yb, h):
-    """Stochastically rounded codes ``q + 0x8800`` (int32) of columns 2j (``ya``) and 2j + 1
-    (``yb``) from their pair's hash ``h``: ``r = h & 0x7FFF`` and ``h >> 17``.
+def _sr_bits(y):
+    """int32 bits of ``fl(y + 384)``, which hold ``y`` rounded to 15 fractional bits."""
+    return (y + _SR_SHIFT).to(tl.int32, bitcast=True)
 
-    No floor, clamp or conversion: ``(bits(y + 384) + r) >> 15 = q + 0x8780`` already lies in
+
+@triton.jit
+def _sr_pair(ba, bb, h, BIAS: tl.constexpr):
+    """Stochastically rounded codes ``q + 0x8780 + (BIAS >> 15)`` (int32) of columns 2j and
+    2j + 1, from their :func:`_sr_bits` ``ba``, ``bb`` and their pair's hash ``h`` (``r = h &
+    0x7FFF``, ``h >> 17``).
+
+    No floor, clamp or conversion: ``(bits + r) >> 15 = q + 0x8780`` already lies in
     ``[-qmax, qmax] + 0x8780`` (proof in :mod:`.rounding`)."""
-    ba = (ya + _SR_SHIFT).to(tl.int32, bitcast=True)
-    bb = (yb + _SR_SHIFT).to(tl.int32, bitcast=True)
     ra = (h & 0x7FFF).to(tl.int32, bitcast=True)
     rb = (h >> 17).to(tl.int32, bitcast=True)
-    return (ba + ra + _SR_BIAS) >> 15, (bb + rb + _SR_BIAS) >> 15
+    return (ba + ra + BIAS) >> 15, (bb + rb + BIAS) >> 15
 
 
 @triton.jit
 def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
     """Stochastically rounded INT8 codes of ``x [G, BS]`` (tile t; low byte = code), one hash
-    per pair of columns: the tile is split into even and odd columns and joined back."""
-    e, o = tl.split(tl.reshape(x, (G, BS // 2, 2)))
+    per pair of columns. The bits are made in the load layout and only then split into even
+    and odd columns (splitting ``x`` first makes Triton broadcast the block parameters across
+    threads, with shuffles)."""
+    b = _sr_bits(_scaled(x, ok, p, inv, plain))
+    e, o = tl.split(tl.reshape(b, (G, BS // 2, 2)))
     pairs = (t * G + tl.arange(0, G))[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
-    h = _mix32(pairs.to(tl.uint32) ^ key)
-    qe, qo = _sr_pair(_scaled(e, ok, p, inv, plain), _scaled(o, ok, p, inv, plain), h)
+    qe, qo = _sr_pair(e, o, _mix32(pairs.to(tl.uint32) ^ key), _SR_BIAS)
     return tl.reshape(tl.join(qe, qo), (G, BS))
 
 
 @triton.jit
-def _sr_words(c0, c1, c2, c3, c4, c5, c6, c7, ok, p, inv, plain, t, key, W: tl.constexpr,
-              G: tl.constexpr):
-    """Stochastically rounded INT4 words of nibble-major values ``c_k [G, W]`` (``c_k[g, i]`` is
-    column 8 (W (t G + g) + i) + k of the row): components 2m and 2m + 1 are a pair, column
-    pair 4 (W (t G + g) + i) + m, so four hashes per word."""
+def _sr_y(x, p, inv, plain):
+    """``y`` of :func:`_scaled` without the select of non-finite blocks: their values become
+    garbage (NaN bits) that :func:`_sr_words` replaces by code 0 one word at a time, which is
+    the code the reference gives them (``y = 0``, ``floor(r 2**-15) = 0``)."""
+    if plain:
+        y = x * inv[:, None]
+    else:
+        y = (x * p[:, None]) * inv[:, None]
+    return y
+
+
+@triton.jit
+def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl.constexpr):
+    """Stochastically rounded INT4 words from nibble-major :func:`_sr_bits` ``b_k [G, W]``
+    (``b_k[g, i]`` is column 8 (W (t G + g) + i) + k of the row): components 2m and 2m + 1 are
+    column pair 4 (W (t G + g) + i) + m, so four hashes per word. Blocks that are not ``ok``
+    get zero words (codes 0)."""
     words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]
     base = (words * 4).to(tl.uint32) ^ key  # pair 4 w + m is (4 w) ^ m: m < 4
-    q0, q1 = _sr_pair(_scaled(c0, ok, p, inv, plain), _scaled(c1, ok, p, inv, plain),
-                      _mix32(base))
-    q2, q3 = _sr_pair(_scaled(c2, ok, p, inv, plain), _scaled(c3, ok, p, inv, plain),
-                      _mix32(base ^ 1))
-    q4, q5 = _sr_pair(_scaled(c4, ok, p, inv, plain), _scaled(c5, ok, p, inv, plain),
-                      _mix32(base ^ 2))
-    q6, q7 = _sr_pair(_scaled(c6, ok, p, inv, plain), _scaled(c7, ok, p, inv, plain),
-                      _mix32(base ^ 3))
-    return _pack_words(q0, q1, q2, q3, q4, q5, q6, q7, _SR_PACK_OFFSET)
+    q0, q1 = _sr_pair(b0, b1, _mix32(base), 0)
+    q2, q3 = _sr_pair(b2, b3, _mix32(base ^ 1), 0)
+    q4, q5 = _sr_pair(b4, b5, _mix32(base ^ 2), 0)
+    q6, q7 = _sr_pair(b6, b7, _mix32(base ^ 3), 0)
+    w = _pack_words(q0, q1, q2, q3, q4, q5, q6, q7, _SR_PACK_OFFSET)
+    return tl.where(ok[:, None], w, 0)
 
 
 @triton.jit
@@ -378,9 +395,9 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
                         EVEN)
     else:
         if STOCHASTIC:
-            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x, BS, G)
-            words = _sr_words(c0, c1, c2, c3, c4, c5, c6, c7, ok, p, inv, plain, t, key,
-                              BS // 8, G)
+            # split after the per-element float work, as the nearest path does (_sr_int8)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _split8(_sr_bits(_sr_y(x, p, inv, plain)), BS, G)
+            words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, BS // 8, G)
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = _split8(_codes(x, ok, p, inv, plain), BS, G)
             words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7, _PACK_OFFSET)
@@ -528,8 +545,12 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             _store_scales(scale, row, t, out_scale_ptr, nblocks_out, GI, EVEN)
             if STOCHASTIC:
                 key = tl.load(keys_ptr + row).to(tl.uint32)
-                words = _sr_words(a0, a1, a2, a3, a4, a5, a6, a7, ok, pp, inv, plain, t, key,
-                                  W, GI)
+                words = _sr_words(
+                    _sr_bits(_sr_y(a0, pp, inv, plain)), _sr_bits(_sr_y(a1, pp, inv, plain)),
+                    _sr_bits(_sr_y(a2, pp, inv, plain)), _sr_bits(_sr_y(a3, pp, inv, plain)),
+                    _sr_bits(_sr_y(a4, pp, inv, plain)), _sr_bits(_sr_y(a5, pp, inv, plain)),
+                    _sr_bits(_sr_y(a6, pp, inv, plain)), _sr_bits(_sr_y(a7, pp, inv, plain)),
+                    ok, t, key, W, GI)
             else:
                 words = _pack_words(
                     _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
