@@ -195,16 +195,34 @@ def _sr_bits(y):
 
 
 @triton.jit
-def _sr_pair(ba, bb, h, BIAS: tl.constexpr):
+def _pair_bits(x):
+    """``(r_even, r_odd)`` (int32) of the pair hash ``mix32(j ^ key)``, from ``x = j ^ (j >> 16)
+    ^ kk`` with ``kk = key ^ (key >> 16)``: that is mix32's first step, with the key's half
+    computed once per row. The last step ``h = x ^ (x >> 16)`` is folded in: ``h >> 17 = x >> 17``
+    and ``h & 0x7FFF = (x ^ (x >> 16)) & 0x7FFF`` (one 3-input logic instruction)."""
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
+    return ((x ^ (x >> 16)) & 0x7FFF).to(tl.int32, bitcast=True), (x >> 17).to(tl.int32,
+                                                                              bitcast=True)
+
+
+@triton.jit
+def _sr_pair(ba, bb, x, BIAS: tl.constexpr):
     """Stochastically rounded codes ``q + 0x8780 + (BIAS >> 15)`` (int32) of columns 2j and
-    2j + 1, from their :func:`_sr_bits` ``ba``, ``bb`` and their pair's hash ``h`` (``r = h &
-    0x7FFF``, ``h >> 17``).
+    2j + 1, from their :func:`_sr_bits` ``ba``, ``bb`` and their pair's hash input ``x`` (see
+    :func:`_pair_bits`).
 
     No floor, clamp or conversion: ``(bits + r) >> 15 = q + 0x8780`` already lies in
     ``[-qmax, qmax] + 0x8780`` (proof in :mod:`.rounding`)."""
-    ra = (h & 0x7FFF).to(tl.int32, bitcast=True)
-    rb = (h >> 17).to(tl.int32, bitcast=True)
+    ra, rb = _pair_bits(x)
     return (ba + ra + BIAS) >> 15, (bb + rb + BIAS) >> 15
+
+
+@triton.jit
+def _hash_input(j, key):
+    """``x`` of :func:`_pair_bits` for pair indices ``j`` (uint32) and a row key (uint32)."""
+    return j ^ (j >> 16) ^ (key ^ (key >> 16))
 
 
 @triton.jit
@@ -216,7 +234,7 @@ def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
     b = _sr_bits(_scaled(x, ok, p, inv, plain))
     e, o = tl.split(tl.reshape(b, (G, BS // 2, 2)))
     pairs = (t * G + tl.arange(0, G))[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
-    qe, qo = _sr_pair(e, o, _mix32(pairs.to(tl.uint32) ^ key), _SR_BIAS)
+    qe, qo = _sr_pair(e, o, _hash_input(pairs.to(tl.uint32), key), _SR_BIAS)
     return tl.reshape(tl.join(qe, qo), (G, BS))
 
 
@@ -239,12 +257,25 @@ def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl
     column pair 4 (W (t G + g) + i) + m, so four hashes per word. Blocks that are not ``ok``
     get zero words (codes 0)."""
     words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]
-    base = (words * 4).to(tl.uint32) ^ key  # pair 4 w + m is (4 w) ^ m: m < 4
-    q0, q1 = _sr_pair(b0, b1, _mix32(base), 0)
-    q2, q3 = _sr_pair(b2, b3, _mix32(base ^ 1), 0)
-    q4, q5 = _sr_pair(b4, b5, _mix32(base ^ 2), 0)
-    q6, q7 = _sr_pair(b6, b7, _mix32(base ^ 3), 0)
-    w = _pack_words(q0, q1, q2, q3, q4, q5, q6, q7, _SR_PACK_OFFSET)
+    # pair 4 w + m is (4 w) ^ m (m < 4), and (4 w + m) >> 16 = (4 w) >> 16: one hash input
+    # per word, then an XOR per pair
+    x = _hash_input((words * 4).to(tl.uint32), key)
+    q0, q1 = _sr_pair(b0, b1, x, 0)
+    q2, q3 = _sr_pair(b2, b3, x ^ 1, 0)
+    q4, q5 = _sr_pair(b4, b5, x ^ 2, 0)
+    q6, q7 = _sr_pair(b6, b7, x ^ 3, 0)
+    # sum_k q_k 16**k as in _pack_words, in Horner form: each step is one shift-and-add of the
+    # shifted code (written as _pack_words, the compiler turns (s >> 15) << 4k into a shift and
+    # a mask, and adds separately)
+    w = q7.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q6.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q5.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q4.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q3.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q2.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q1.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q0.to(tl.uint32, bitcast=True)
+    w = ((w + _SR_PACK_OFFSET) ^ _FLIP_BITS_U32).to(tl.int32, bitcast=True)
     return tl.where(ok[:, None], w, 0)
 
 
