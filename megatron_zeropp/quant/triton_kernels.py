@@ -178,17 +178,6 @@ def _codes(x, ok, p, inv, plain):
 
 
 @triton.jit
-def _mix32(x):
-    """lowbias32 on uint32 (:func:`.rounding.mix32`); the second multiplier does not fit an
-    int32 literal, so it is made from its int32 bit pattern."""
-    x = x ^ (x >> 16)
-    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
-    return x ^ (x >> 16)
-
-
-@triton.jit
 def _sr_bits(y):
     """int32 bits of ``fl(y + 384)``, which hold ``y`` rounded to 15 fractional bits."""
     return (y + _SR_SHIFT).to(tl.int32, bitcast=True)
@@ -196,10 +185,12 @@ def _sr_bits(y):
 
 @triton.jit
 def _pair_bits(x):
-    """``(r_even, r_odd)`` (int32) of the pair hash ``mix32(j ^ key)``, from ``x = j ^ (j >> 16)
-    ^ kk`` with ``kk = key ^ (key >> 16)``: that is mix32's first step, with the key's half
-    computed once per row. The last step ``h = x ^ (x >> 16)`` is folded in: ``h >> 17 = x >> 17``
-    and ``h & 0x7FFF = (x ^ (x >> 16)) & 0x7FFF`` (one 3-input logic instruction)."""
+    """``(r_even, r_odd)`` (int32) of the pair hash ``mix32(j ^ key)`` (lowbias32,
+    :func:`.rounding.mix32`), from ``x = j ^ (j >> 16) ^ kk`` with ``kk = key ^ (key >> 16)``:
+    that is mix32's first step, with the key's half computed once per row. The last step
+    ``h = x ^ (x >> 16)`` is folded in: ``h >> 17 = x >> 17`` and ``h & 0x7FFF = (x ^ (x >> 16))
+    & 0x7FFF`` (one 3-input logic instruction). The second multiplier does not fit an int32
+    literal, so it is made from its int32 bit pattern."""
     x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
     x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
@@ -242,7 +233,8 @@ def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
 def _sr_y(x, p, inv, plain):
     """``y`` of :func:`_scaled` without the select of non-finite blocks: their values become
     garbage (NaN bits) that :func:`_sr_words` replaces by code 0 one word at a time, which is
-    the code the reference gives them (``y = 0``, ``floor(r 2**-15) = 0``)."""
+    the code the reference gives them (``y = 0``, ``floor(r 2**-15) = 0``). Under the
+    interpreter numpy warns about the ``Inf * 0`` this may compute; the result is discarded."""
     if plain:
         y = x * inv[:, None]
     else:
