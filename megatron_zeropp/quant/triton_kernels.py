@@ -81,8 +81,9 @@ _SR_SHIFT = tl.constexpr(384.0)
 # INT8: (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's
 # complement byte; the bias rides along in the same 3-input integer addition.
 _SR_BIAS = tl.constexpr(0x80 << 15)
-# INT4: _pack_words' offset for codes q + 0x8780: (8 - 0x8780) * 0x11111111 (mod 2**32). No bias
-# there, so that the odd column's b + (h >> 17) can be a single LEA.HI.
+# INT4 (_sr_words): the constant that turns sum_k (q_k + 0x8780) 16**k into sum_k (q_k + 8) 16**k,
+# (8 - 0x8780) * 0x11111111 (mod 2**32), as _PACK_OFFSET does for _pack_words. No bias in the
+# additions there, so that the odd column's b + (h >> 17) can be a single LEA.HI.
 _SR_PACK_OFFSET = tl.constexpr(0x00000908)
 _FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
@@ -256,9 +257,8 @@ def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl
     q2, q3 = _sr_pair(b2, b3, x ^ 1, 0)
     q4, q5 = _sr_pair(b4, b5, x ^ 2, 0)
     q6, q7 = _sr_pair(b6, b7, x ^ 3, 0)
-    # sum_k q_k 16**k as in _pack_words, in Horner form: each step is one shift-and-add of the
-    # shifted code (written as _pack_words, the compiler turns (s >> 15) << 4k into a shift and
-    # a mask, and adds separately)
+    # the sum of _pack_words in Horner form: one shift-and-add per code (written as _pack_words
+    # does it, ptxas turns (s >> 15) << 4k into a shift and a mask, then adds separately)
     w = q7.to(tl.uint32, bitcast=True)
     w = (w << 4) + q6.to(tl.uint32, bitcast=True)
     w = (w << 4) + q5.to(tl.uint32, bitcast=True)
@@ -314,16 +314,15 @@ def _interleave8(c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @triton.jit
-def _pack_words(c0, c1, c2, c3, c4, c5, c6, c7, OFFSET: tl.constexpr):
-    """Codes ``c_k = C + code_k`` (int32; from :func:`_codes`, ``C = 0x4B400000``, or from
-    :func:`_sr_pair`, ``C = 0x8800``), nibble-major -> int32 words.
+def _pack_words(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Codes from :func:`_codes` (int32 ``0x4B400000 + code``), nibble-major -> int32 words.
 
     With ``u = code + 8`` (1..15), ``sum_k u_k 16**k`` is the plain concatenation of the nibbles
     ``u_k``, and XOR 0x88888888 turns each ``u_k`` into the two's complement nibble of its code.
-    That sum is ``sum_k c_k 16**k`` plus ``OFFSET = (8 - C) * 0x11111111`` (mod 2**32): one
-    shift-and-add per code instead of a mask, a shift and an OR.
+    Since ``c_k = 0x4B400000 + code_k``, that sum is ``sum_k c_k 16**k`` plus a constant
+    (mod 2**32): one shift-and-add per code instead of a mask, a shift and an OR.
     """
-    w = c0.to(tl.uint32, bitcast=True) + OFFSET
+    w = c0.to(tl.uint32, bitcast=True) + _PACK_OFFSET
     w += c1.to(tl.uint32, bitcast=True) << 4
     w += c2.to(tl.uint32, bitcast=True) << 8
     w += c3.to(tl.uint32, bitcast=True) << 12
@@ -423,7 +422,7 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
             words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, BS // 8, G)
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = _split8(_codes(x, ok, p, inv, plain), BS, G)
-            words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7, _PACK_OFFSET)
+            words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7)
         _store_row_tile(data_ptr, words, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
 
 
@@ -579,8 +578,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                     _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
                     _codes(a2, ok, pp, inv, plain), _codes(a3, ok, pp, inv, plain),
                     _codes(a4, ok, pp, inv, plain), _codes(a5, ok, pp, inv, plain),
-                    _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain),
-                    _PACK_OFFSET)
+                    _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain))
             _store_row_tile(out_data_ptr, words, row, t, nbytes_out // 4, nblocks_out, W, GI,
                             EVEN)
         else:
