@@ -95,6 +95,8 @@ def run(numel: int) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
             "numel": numel, "copy_GB/s": copy,
+            # the stochastic rounding these numbers are for (quant/rounding.py; issue 22)
+            "rounding": "one lowbias32 per pair of columns, 15 bits each, (bits(y+384)+r)>>15",
             "rows": rows}
 
 

@@ -23,8 +23,112 @@ def test_hash_in_python_and_torch_agree():
     assert rounding.mix32(1) == 1753845952  # lowbias32(1), fixed: the kernels copy this hash
     u = rounding.uniforms(rounding.row_keys(3, range(2)), 1 << 16)
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
-    # 2**17 uniforms: mean 1/2 within 5 standard deviations (sqrt(1/12 / 2**17))
-    assert abs(float(u.double().mean()) - 0.5) < 5 * math.sqrt(1 / 12 / u.numel())
+    assert torch.equal(u * 2**15, (u * 2**15).floor())  # on the grid of 2**-15
+    # 2**17 uniforms: mean 1/2 - 2**-16 (the grid's) within 5 standard deviations
+    assert abs(float(u.double().mean()) - (0.5 - 2**-16)) < 5 * math.sqrt(1 / 12 / u.numel())
+
+
+def test_one_hash_per_pair_of_columns():
+    keys = rounding.row_keys(42, range(3))
+    r = rounding.random_bits(keys, 101)  # odd: the last pair has one column
+    assert r.shape == (3, 101) and int(r.min()) >= 0 and int(r.max()) < 2**15
+    for row, k in enumerate(rounding.key_list(keys)):
+        for c in (0, 1, 2, 3, 50, 51, 100):
+            h = rounding.mix32((c >> 1) ^ k)
+            assert int(r[row, c]) == (h & 0x7FFF if c % 2 == 0 else h >> 17)
+
+
+def _integer_form(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """What the C and Triton kernels compute: ((bits(fl(y + 384)) + r) >> 15) - 0x8780."""
+    b = (y + 384.0).view(torch.int32).to(torch.int64)
+    return ((b + r) >> 15) - 0x8780
+
+
+@pytest.mark.parametrize("qmax", [127, 7])
+def test_integer_form_is_the_definition_and_never_leaves_the_range(qmax):
+    g = torch.Generator().manual_seed(qmax)
+    edge = [qmax, float(torch.tensor(qmax, dtype=torch.float32).nextafter(torch.tensor(1e9))),
+            qmax * (1 + 2**-23), qmax - 2**-16, qmax - 2**-15, 0.0, 2**-16, 2**-17, 0.5]
+    edge = torch.tensor(edge + [-e for e in edge], dtype=torch.float32)
+    y = torch.cat([edge, (torch.rand(20000, generator=g) * 2 - 1) * qmax])
+    for r in [0, 1, 2**14, 2**15 - 1] + torch.randint(0, 2**15, (12,), generator=g).tolist():
+        rr = torch.full(y.shape, r, dtype=torch.int64)
+        q = rounding.stochastic_round(y, rr.to(torch.float32) * 2.0**-15)
+        assert torch.equal(q.to(torch.int64), _integer_form(y, rr)), r
+    # every r at the extremes (|y| up to the quantizer's bound qmax (1 + 2**-23)): inside
+    # [-qmax, qmax] without a clamp
+    r = torch.arange(2**15, dtype=torch.int64)
+    for v in edge[:3].tolist() + (-edge[:3]).tolist():
+        q = _integer_form(torch.full(r.shape, v, dtype=torch.float32), r)
+        assert int(q.min()) >= -qmax and int(q.max()) <= qmax, v
+        q = rounding.stochastic_round(torch.full(r.shape, v), r.to(torch.float32) * 2.0**-15)
+        assert int(q.min()) >= -qmax and int(q.max()) <= qmax, v
+
+
+def _overshooting_absmax(qmax: int) -> float:
+    """An fp32 absmax a whose fl(a * fl(qmax / a)) exceeds qmax: the quantizer's y overshoots."""
+    a = torch.rand(100000, generator=torch.Generator().manual_seed(qmax)) + 0.5
+    y = a * (torch.full_like(a, qmax) / a)
+    assert bool((y > qmax).any())
+    return float(a[y > qmax][0])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_codes_at_the_extremes_stay_in_range_in_every_backend(bits):
+    qmax = reference.QMAX[bits]
+    a = _overshooting_absmax(qmax)
+    x = torch.tensor([a, -a] * 64).repeat(16, 1)  # blocks of +-a: y = +-(qmax + an ulp)
+    keys = rounding.row_keys(3, range(16))
+    want = reference.quantize_chunks(x, bits, 32, keys)
+    assert same(cpu_native.quantize_chunks(x, bits, 32, keys), want)
+    q = reference.unpack_codes(want[0], bits)
+    assert torch.equal(q, torch.tensor([qmax, -qmax] * 64, dtype=torch.int32).repeat(16, 1))
+
+
+def _mean_codes(y: float, bits: int, keys: torch.Tensor, n: int, nearest: bool = False):
+    """Mean code of ``y`` (in steps) over len(keys) rows x (n - 1) columns; an outlier of qmax in
+    column 0 makes the scale exactly 1."""
+    qmax = reference.QMAX[bits]
+    x = torch.full((keys.numel(), n), y)
+    x[:, 0] = qmax
+    data, _ = reference.quantize_chunks(x, bits, n, None if nearest else keys)
+    return float(reference.unpack_codes(data, bits)[:, 1:].double().mean())
+
+
+# y (in steps) with fractions near 0, 1/2 and 1, negative ones, and one near qmax
+_VALUES = [0.3, -0.3, 3 * 2**-14, 1 - 2**-13, 5.70001, -2.123456, 6.9999]
+
+
+def _bias_ok(y: float, mean: float, samples: int) -> bool:
+    # Each code is floor(yr) or floor(yr) + 1 with P(+1) = f = frac(yr): a Bernoulli of variance
+    # f (1 - f), so the mean over `samples` codes has standard deviation sqrt(f (1 - f) / samples)
+    # (the two columns of a pair use disjoint bits of one hash, taken as independent). Allowed:
+    # 5 such deviations (a false failure is a 6e-7 event for a fixed draw) plus the definition's
+    # bias |yr - y| <= 2**-16 (yr = y rounded to 15 fractional bits).
+    f = y - math.floor(y)
+    return abs(mean - y) <= 2**-16 + 5 * math.sqrt(max(f * (1 - f), 2**-15) / samples)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_unbiased_within_the_bound_where_nearest_is_not(bits):
+    keys, n = rounding.row_keys(2024, range(64)), 2048
+    samples = keys.numel() * (n - 1)
+    for y in _VALUES:
+        assert _bias_ok(y, _mean_codes(y, bits, keys, n), samples), y
+    # the same check fails for round-to-nearest (0.3 always rounds to 0, a bias of 0.3)
+    assert not all(_bias_ok(y, _mean_codes(y, bits, keys, n, nearest=True), samples)
+                   for y in _VALUES)
+
+
+def test_reruns_are_bit_identical_and_keys_matter():
+    x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(5))
+    keys = rounding.row_keys(8, range(4))
+    for bits in (8, 4):
+        first = cpu_native.quantize_chunks(x, bits, 128, keys)
+        assert same(first, cpu_native.quantize_chunks(x, bits, 128, keys))
+        assert same(first, reference.quantize_chunks(x, bits, 128, keys))
+        assert not same(first, cpu_native.quantize_chunks(x, bits, 128,
+                                                          rounding.row_keys(9, range(4))))
 
 
 def test_bad_keys_are_refused():

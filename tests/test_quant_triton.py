@@ -236,3 +236,69 @@ def test_stochastic_swizzle_and_requantize_match_the_reference(out):
     got = tk.dequantize_reduce(data, scales, 4, 128, 256, *out, out_row_keys=keys, tile=256)
     assert same(got, qref.dequantize_reduce(data, scales, 4, 128, 256, *out,
                                             out_row_keys=keys))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_kernels_match_c_and_the_reference_and_rerun_identically(bits):
+    """Reference == C == Triton for every stochastic kernel (one hash per pair of columns):
+    quantize, swizzled quantize, dequantize-reduce-requantize through the generic path and the
+    INT4 nibble-major one (with and without the plain-tile test), then a rerun."""
+    from megatron_zeropp.quant import cpu_native, rounding
+    from megatron_zeropp.quant import qgz_reference as qref
+    from megatron_zeropp.quant import reference as ref
+    from megatron_zeropp.quant import triton_kernels as tk
+
+    x = tricky(6, 256, torch.float32, seed=bits)
+    keys = rounding.row_keys(11, range(6))
+    want = ref.quantize_chunks(x, bits, 64, keys)
+    assert same(cpu_native.quantize_chunks(x, bits, 64, keys), want)
+    for tile in (64, 256):
+        assert same(tk.quantize_chunks(x, bits, 64, keys, tile=tile), want)
+    flat = x[2:].reshape(-1)  # no NaN: swizzled rows are whole chunks
+    k8 = rounding.row_keys(12, range(8))
+    want = qref.swizzled_quantize(flat, 2, 4, bits, 32, k8)
+    assert same(cpu_native.swizzled_quantize(flat, 2, 4, bits, 32, k8), want)
+    assert same(tk.swizzled_quantize(flat, 2, 4, bits, 32, k8, tile=64), want)
+    data, scales = ref.quantize_chunks(tricky(6, 512, torch.float32, seed=7), bits, 128)
+    data, scales = data.view(3, 2, -1), scales.view(3, 2, -1)
+    k2 = rounding.row_keys(13, range(2))
+    for out_bits, out_bs, fast in ((4, 128, True), (4, 128, False), (8, 128, True), (4, 64, True)):
+        want = qref.dequantize_reduce(data, scales, bits, 128, 512, out_bits, out_bs,
+                                      out_row_keys=k2)
+        assert same(cpu_native.dequantize_reduce(data, scales, bits, 128, 512, out_bits, out_bs,
+                                                 out_row_keys=k2), want)
+        got = tk.dequantize_reduce(data, scales, bits, 128, 512, out_bits, out_bs,
+                                   out_row_keys=k2, tile=256, fast=fast)
+        assert same(got, want), (out_bits, out_bs, fast)
+        assert same(tk.dequantize_reduce(data, scales, bits, 128, 512, out_bits, out_bs,
+                                         out_row_keys=k2, tile=256, fast=fast), got)
+    assert not same(got, qref.dequantize_reduce(data, scales, bits, 128, 512, 4, 64,
+                                                out_row_keys=k2[[1, 0]]))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_codes_at_the_extremes_stay_in_range(bits):
+    """Blocks of +-a where fl(a * fl(qmax / a)) > qmax: every code is exactly +-qmax (no clamp
+    in the kernels; the proof is in quant/rounding.py), also when requantizing from INT4."""
+    from megatron_zeropp.quant import qgz_reference as qref
+    from megatron_zeropp.quant import reference as ref
+    from megatron_zeropp.quant import rounding
+    from megatron_zeropp.quant import triton_kernels as tk
+
+    qmax = ref.QMAX[bits]
+    a = torch.rand(100000, generator=torch.Generator().manual_seed(qmax)) + 0.5
+    a = float(a[a * (torch.full_like(a, qmax) / a) > qmax][0])
+    x = torch.tensor([a, -a] * 64).repeat(4, 1)
+    keys = rounding.row_keys(3, range(4))
+    got = tk.quantize_chunks(x, bits, 32, keys, tile=64)
+    assert same(got, ref.quantize_chunks(x, bits, 32, keys))
+    want = torch.tensor([qmax, -qmax] * 64, dtype=torch.int32).repeat(4, 1)
+    assert torch.equal(ref.unpack_codes(got[0], bits), want)
+    data, scales = ref.quantize_chunks(x, 4, 32)  # codes +-7 times a scale: sums +-a again
+    data, scales = data.view(1, 4, -1), scales.view(1, 4, -1)
+    got = tk.dequantize_reduce(data, scales, 4, 32, 128, bits, 32, out_row_keys=keys, tile=64)
+    assert same(got, qref.dequantize_reduce(data, scales, 4, 32, 128, bits, 32,
+                                            out_row_keys=keys))
+    assert int(ref.unpack_codes(got[0], bits).abs().max()) == qmax

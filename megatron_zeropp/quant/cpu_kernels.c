@@ -10,8 +10,10 @@
  * Built with -ffp-contract=off, so the compiler fuses nothing the reference rounds twice.
  * Each block is staged in an L1-sized fp32 buffer: the input is read once, the codes written once.
  * Stochastic rounding (a row key per row, NULL = round to nearest) uses the counter-based hash
- * of megatron_zeropp/quant/rounding.py: u = (mix32(col ^ key) >> 8) * 2^-24,
- * q = clamp(floor(y + u), -qmax, qmax).
+ * of megatron_zeropp/quant/rounding.py, one per pair of columns: h = mix32((col >> 1) ^ key),
+ * r = h & 0x7fff (even col) or h >> 17 (odd col), q = ((bits(y + 384.0f) + r) >> 15) - 0x8780,
+ * which is floor((fl(y + 384) - 384) + r 2^-15) and never leaves [-qmax, qmax] (the proof is in
+ * rounding.py): no floor, no clamp, no int/float conversion.
  *
  * Layouts (C order):
  *   codes  (rows, nbytes)   int8, or uint8 with element 2i in the low nibble (INT4); the codes
@@ -68,6 +70,25 @@ static inline uint32_t mix32(uint32_t x) {
     return x;
 }
 
+/* Stochastically rounded codes of one block of y (bs even, col0 even: pairs never straddle
+ * blocks), each pair of elements from one hash. */
+static void round_stochastic(const float *y, int64_t bs, int bits, void *codes, uint32_t key,
+                             int64_t col0) {
+    const uint32_t pair0 = (uint32_t)(col0 >> 1);
+    for (int64_t i = 0; i < bs / 2; i++) {
+        const uint32_t h = mix32((pair0 + (uint32_t)i) ^ key);
+        /* (bits + r) >> 15 = q + 0x8780 */
+        const int32_t lo = (int32_t)((f32_to_bits(y[2 * i] + 384.0f) + (h & 0x7fffu)) >> 15);
+        const int32_t hi = (int32_t)((f32_to_bits(y[2 * i + 1] + 384.0f) + (h >> 17)) >> 15);
+        if (bits == 8) {
+            ((int8_t *)codes)[2 * i] = (int8_t)(lo - 0x8780);
+            ((int8_t *)codes)[2 * i + 1] = (int8_t)(hi - 0x8780);
+        } else { /* the low nibbles of q + 0x8780 are q's two's complement nibbles */
+            ((uint8_t *)codes)[i] = (uint8_t)((lo & 0xf) | ((hi & 0xf) << 4));
+        }
+    }
+}
+
 /* Quantize one block of bs fp32 values; returns its scale. stochastic: round with the hash of
  * (col0 + i) ^ key instead of to nearest. */
 static float quantize_block(const float *x, int64_t bs, int bits, void *codes, int stochastic,
@@ -99,19 +120,12 @@ static float quantize_block(const float *x, int64_t bs, int bits, void *codes, i
         for (int64_t i = 0; i < bs; i++) y[i] = (x[i] * p) * inv;
     }
     if (stochastic) {
-        for (int64_t i = 0; i < bs; i++) {
-            const uint32_t h = mix32((uint32_t)(col0 + i) ^ key);
-            /* h >> 8 < 2^24: through int32, a conversion the compiler vectorizes */
-            const float u = (float)(int32_t)(h >> 8) * 0x1p-24f;
-            float v = floorf(y[i] + u);
-            v = v < -qmax ? -qmax : v;
-            y[i] = v > qmax ? qmax : v;
-        }
-    } else {
-        for (int64_t i = 0; i < bs; i++) {
-            float v = y[i] < -qmax ? -qmax : y[i];
-            y[i] = rintf(v > qmax ? qmax : v);
-        }
+        round_stochastic(y, bs, bits, codes, key, col0);
+        return scale;
+    }
+    for (int64_t i = 0; i < bs; i++) {
+        float v = y[i] < -qmax ? -qmax : y[i];
+        y[i] = rintf(v > qmax ? qmax : v);
     }
     if (bits == 8) {
         int8_t *c = (int8_t *)codes;

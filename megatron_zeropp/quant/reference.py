@@ -52,11 +52,13 @@ Special values (documented contract, tested)
   itself is subnormal (absmax < qmax * 2**-126) it carries less than fp32 precision, and the bound
   above gains an absolute ``qmax * 2**-150``.
 
-Stochastic rounding replaces the rounding by ``clamp(floor(y + u), -qmax, qmax)``, ``u ~ U[0,
-1)``, which is unbiased: ``E[q] = y``. With ``row_keys`` (:func:`quantize_chunks`) ``u`` is the
-counter-based hash of :mod:`.rounding`, which the C and Triton kernels compute bit for bit
-alike; :func:`quantize_blockwise`'s ``generator`` path draws ``u`` from torch instead
-(reference only).
+Stochastic rounding with ``row_keys`` (:func:`quantize_chunks`) replaces the rounding by
+``q = floor((fl(y + 384) - 384) + r * 2**-15)``, with 15 counter-based random bits ``r`` per
+element from :mod:`.rounding` (one hash per pair of columns), which the C and Triton kernels
+compute bit for bit alike. ``E[q]`` is ``y`` rounded to 15 fractional bits (a bias of at most
+``2**-16`` of a step) and ``q`` never leaves ``[-qmax, qmax]``; the proofs are in
+:mod:`.rounding`. :func:`quantize_blockwise`'s ``generator`` path (reference only) draws 24-bit
+``u ~ U[0, 1)`` from torch instead and rounds ``clamp(floor(y + u), -qmax, qmax)``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .rounding import check_keys, uniforms
+from .rounding import check_keys, stochastic_round, uniforms
 
 QMAX = {8: 127, 4: 7}
 """Largest code magnitude per bit width (symmetric: -qmax ... qmax)."""
@@ -160,8 +162,9 @@ def quantize_blocks(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize fp32 blocks ``x (..., block_size)`` -> (int32 codes, fp32 scales ``(...)``).
 
-    ``u`` (fp32, ``x``'s shape): round stochastically with these uniforms (see
-    :mod:`.rounding`); otherwise ``stochastic`` draws them from ``generator``."""
+    ``u`` (fp32, ``x``'s shape, multiples of ``2**-15`` from :func:`.rounding.uniforms`): round
+    stochastically as :func:`.rounding.stochastic_round`; otherwise ``stochastic`` draws 24-bit
+    uniforms from ``generator`` and rounds ``clamp(floor(y + u))``."""
     qmax = QMAX[bits]
     absmax = x.abs().amax(dim=-1)  # torch.amax propagates NaN
     # Tensor-by-tensor division on purpose: with a Python scalar torch may multiply by a
@@ -177,7 +180,7 @@ def quantize_blocks(
     xs = torch.where(ok.unsqueeze(-1), x, torch.zeros_like(x))
     y = (xs * p.unsqueeze(-1)) * inv.unsqueeze(-1)
     if u is not None:
-        q = torch.floor(y + u).clamp_(-qmax, qmax)
+        q = stochastic_round(y, u)  # inside [-qmax, qmax] by construction (see .rounding)
     elif stochastic:
         device = y.device if generator is None else generator.device
         u = torch.rand(y.shape, generator=generator, dtype=torch.float32, device=device)

@@ -19,10 +19,11 @@ order, so for round-to-nearest the codes, scales and outputs equal the reference
   Triton (bf16 is never reinterpreted as fp16).
 
 Stochastic rounding by row keys (``row_keys`` / ``out_row_keys``) computes the counter-based
-hash of :mod:`.rounding` in uint32 arithmetic, ``q = clamp(floor(y + u))``, bit-identical to the
-reference; the INT4 nibble-major requantize path is skipped for it (the generic one knows each
-element's column). Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
-(tests).
+hash of :mod:`.rounding` in uint32 arithmetic, one hash per pair of columns (the tile is split
+into even and odd columns, or, for INT4, into the 8 nibble-major components, which pair up as
+(0, 1), (2, 3), (4, 5), (6, 7)), and rounds with one fp32 addition, one integer addition and one
+shift per element (``(bits(y + 384) + r) >> 15``, see :mod:`.rounding`), bit-identical to the
+reference. Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 
 Each program handles one tile of ``G`` consecutive blocks of one row (rows never share a tile), so
 a block's absmax is a reduction inside the program and nothing crosses programs. The kernels are
@@ -75,6 +76,15 @@ _MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of _MAGIC
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # _pack_words: 8 * 0x11111111 - 0x4B400000 * 0x11111111 (mod 2**32), and 0x88888888.
 _PACK_OFFSET = tl.constexpr(0x49488888)
+# Stochastic rounding: y + 384 lies in [256, 512), where the fp32 spacing is 2**-15 (.rounding).
+_SR_SHIFT = tl.constexpr(384.0)
+# INT8: (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's
+# complement byte; the bias rides along in the same 3-input integer addition.
+_SR_BIAS = tl.constexpr(0x80 << 15)
+# INT4 (_sr_words): the constant that turns sum_k (q_k + 0x8780) 16**k into sum_k (q_k + 8) 16**k,
+# (8 - 0x8780) * 0x11111111 (mod 2**32), as _PACK_OFFSET does for _pack_words. No bias in the
+# additions there, so that the odd column's b + (h >> 17) can be a single LEA.HI.
+_SR_PACK_OFFSET = tl.constexpr(0x00000908)
 _FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
 
@@ -146,6 +156,18 @@ def _block_params(absmax, QMAX_F: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, ok, p, inv, plain):
+    """``y = ((x if ok else 0) * p) * inv`` of ``x [G, n]``; in a ``plain`` tile that is
+    ``x * inv``."""
+    if plain:
+        y = x * inv[:, None]
+    else:
+        xs = tl.where(ok[:, None], x, 0.0)
+        y = (xs * p[:, None]) * inv[:, None]
+    return y
+
+
+@triton.jit
 def _codes(x, ok, p, inv, plain):
     """int32 whose low bits are the code of each element of ``x [G, n]`` (rounded half to even).
 
@@ -153,36 +175,100 @@ def _codes(x, ok, p, inv, plain):
     ``inv = fl(qmax / (absmax p))`` give ``|y| <= qmax (1 + 2**-23)``, which rounds to at most
     qmax, so the kernels skip it. In a ``plain`` tile ``(x if ok else 0) * p`` is ``x`` itself.
     """
-    if plain:
-        y = x * inv[:, None]
-    else:
-        xs = tl.where(ok[:, None], x, 0.0)
-        y = (xs * p[:, None]) * inv[:, None]
-    return (y + _MAGIC).to(tl.int32, bitcast=True)
+    return (_scaled(x, ok, p, inv, plain) + _MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _mix32(x):
-    """lowbias32 on uint32 (:func:`.rounding.mix32`); the second multiplier does not fit an
-    int32 literal, so it is made from its int32 bit pattern."""
-    x = x ^ (x >> 16)
+def _sr_bits(y):
+    """int32 bits of ``fl(y + 384)``, which hold ``y`` rounded to 15 fractional bits."""
+    return (y + _SR_SHIFT).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pair_bits(x):
+    """``(r_even, r_odd)`` (int32) of the pair hash ``mix32(j ^ key)`` (lowbias32,
+    :func:`.rounding.mix32`), from ``x = j ^ (j >> 16) ^ kk`` with ``kk = key ^ (key >> 16)``:
+    that is mix32's first step, with the key's half computed once per row. The last step
+    ``h = x ^ (x >> 16)`` is folded in: ``h >> 17 = x >> 17`` and ``h & 0x7FFF = (x ^ (x >> 16))
+    & 0x7FFF`` (one 3-input logic instruction). The second multiplier does not fit an int32
+    literal, so it is made from its int32 bit pattern."""
     x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
     x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
-    return x ^ (x >> 16)
+    return ((x ^ (x >> 16)) & 0x7FFF).to(tl.int32, bitcast=True), (x >> 17).to(tl.int32,
+                                                                              bitcast=True)
 
 
 @triton.jit
-def _codes_sr(x, ok, p, inv, cols, key, QMAX_F: tl.constexpr):
-    """Stochastically rounded codes (as :func:`_codes` returns them) of ``x [G, n]`` at row
-    columns ``cols``: ``u = (mix32(col ^ key) >> 8) * 2**-24``, ``clamp(floor(y + u))``."""
-    xs = tl.where(ok[:, None], x, 0.0)
-    y = (xs * p[:, None]) * inv[:, None]
-    h = _mix32(cols.to(tl.uint32) ^ key)
-    u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-    q = tl.floor(y + u)
-    q = tl.minimum(tl.maximum(q, -QMAX_F), QMAX_F)
-    return (q + _MAGIC).to(tl.int32, bitcast=True)
+def _sr_pair(ba, bb, x, BIAS: tl.constexpr):
+    """Stochastically rounded codes ``q + 0x8780 + (BIAS >> 15)`` (int32) of columns 2j and
+    2j + 1, from their :func:`_sr_bits` ``ba``, ``bb`` and their pair's hash input ``x`` (see
+    :func:`_pair_bits`).
+
+    No floor, clamp or conversion: ``(bits + r) >> 15 = q + 0x8780`` already lies in
+    ``[-qmax, qmax] + 0x8780`` (proof in :mod:`.rounding`)."""
+    ra, rb = _pair_bits(x)
+    return (ba + ra + BIAS) >> 15, (bb + rb + BIAS) >> 15
+
+
+@triton.jit
+def _hash_input(j, key):
+    """``x`` of :func:`_pair_bits` for pair indices ``j`` (uint32) and a row key (uint32)."""
+    return j ^ (j >> 16) ^ (key ^ (key >> 16))
+
+
+@triton.jit
+def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
+    """Stochastically rounded INT8 codes of ``x [G, BS]`` (tile t; low byte = code), one hash
+    per pair of columns. The bits are made in the load layout and only then split into even
+    and odd columns (splitting ``x`` first makes Triton broadcast the block parameters across
+    threads, with shuffles)."""
+    b = _sr_bits(_scaled(x, ok, p, inv, plain))
+    e, o = tl.split(tl.reshape(b, (G, BS // 2, 2)))
+    pairs = (t * G + tl.arange(0, G))[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    qe, qo = _sr_pair(e, o, _hash_input(pairs.to(tl.uint32), key), _SR_BIAS)
+    return tl.reshape(tl.join(qe, qo), (G, BS))
+
+
+@triton.jit
+def _sr_y(x, p, inv, plain):
+    """``y`` of :func:`_scaled` without the select of non-finite blocks: their values become
+    garbage (NaN bits) that :func:`_sr_words` replaces by code 0 one word at a time, which is
+    the code the reference gives them (``y = 0``, ``floor(r 2**-15) = 0``). Under the
+    interpreter numpy warns about the ``Inf * 0`` this may compute; the result is discarded."""
+    if plain:
+        y = x * inv[:, None]
+    else:
+        y = (x * p[:, None]) * inv[:, None]
+    return y
+
+
+@triton.jit
+def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl.constexpr):
+    """Stochastically rounded INT4 words from nibble-major :func:`_sr_bits` ``b_k [G, W]``
+    (``b_k[g, i]`` is column 8 (W (t G + g) + i) + k of the row): components 2m and 2m + 1 are
+    column pair 4 (W (t G + g) + i) + m, so four hashes per word. Blocks that are not ``ok``
+    get zero words (codes 0)."""
+    words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]
+    # pair 4 w + m is (4 w) ^ m (m < 4), and (4 w + m) >> 16 = (4 w) >> 16: one hash input
+    # per word, then an XOR per pair
+    x = _hash_input((words * 4).to(tl.uint32), key)
+    q0, q1 = _sr_pair(b0, b1, x, 0)
+    q2, q3 = _sr_pair(b2, b3, x ^ 1, 0)
+    q4, q5 = _sr_pair(b4, b5, x ^ 2, 0)
+    q6, q7 = _sr_pair(b6, b7, x ^ 3, 0)
+    # the sum of _pack_words in Horner form: one shift-and-add per code (written as _pack_words
+    # does it, ptxas turns (s >> 15) << 4k into a shift and a mask, then adds separately)
+    w = q7.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q6.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q5.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q4.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q3.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q2.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q1.to(tl.uint32, bitcast=True)
+    w = (w << 4) + q0.to(tl.uint32, bitcast=True)
+    w = ((w + _SR_PACK_OFFSET) ^ _FLIP_BITS_U32).to(tl.int32, bitcast=True)
+    return tl.where(ok[:, None], w, 0)
 
 
 @triton.jit
@@ -294,6 +380,20 @@ def _load_scales(scale_ptr, row, t, nblocks_row, G: tl.constexpr, EVEN: tl.const
 
 
 @triton.jit
+def _split8(v, BS: tl.constexpr, G: tl.constexpr):
+    """``v [G, BS]`` -> nibble-major ``c_k [G, BS // 8]``, ``c_k[g, i] = v[g, 8 i + k]``."""
+    c = tl.reshape(v, (G, BS // 8, 2, 2, 2))  # [g, i, k2, k1, k0], k = 4 k2 + 2 k1 + k0
+    e, o = tl.split(c)  # k0 = 0, 1
+    e0, e1 = tl.split(e)  # k1
+    o0, o1 = tl.split(o)
+    c0, c4 = tl.split(e0)  # k2
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BITS: tl.constexpr,
                     QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
                     FAST: tl.constexpr, keys_ptr, STOCHASTIC: tl.constexpr):
@@ -307,25 +407,23 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
     _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
     if STOCHASTIC:
         key = tl.load(keys_ptr + row).to(tl.uint32)
-        cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
-        codes = _codes_sr(x, ok, p, inv, cols, key, QMAX_F)
-    else:
-        codes = _codes(x, ok, p, inv, plain)
     if BITS == 8:
+        if STOCHASTIC:
+            codes = _sr_int8(x, ok, p, inv, plain, t, key, BS, G)
+        else:
+            codes = _codes(x, ok, p, inv, plain)
         # truncation to int8 keeps the low byte: the two's complement code
         _store_row_tile(data_ptr, codes.to(tl.int8), row, t, nbytes_row, nblocks_row, BS, G,
                         EVEN)
     else:
-        c = tl.reshape(codes, (G, BS // 8, 2, 2, 2))  # [g, i, k2, k1, k0], k = 4 k2 + 2 k1 + k0
-        e, o = tl.split(c)  # k0 = 0, 1
-        e0, e1 = tl.split(e)  # k1
-        o0, o1 = tl.split(o)
-        c0, c4 = tl.split(e0)  # k2
-        c2, c6 = tl.split(e1)
-        c1, c5 = tl.split(o0)
-        c3, c7 = tl.split(o1)
-        _store_row_tile(data_ptr, _pack_words(c0, c1, c2, c3, c4, c5, c6, c7), row, t,
-                        nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
+        if STOCHASTIC:
+            # split after the per-element float work, as the nearest path does (_sr_int8)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _split8(_sr_bits(_sr_y(x, p, inv, plain)), BS, G)
+            words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, BS // 8, G)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(_codes(x, ok, p, inv, plain), BS, G)
+            words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7)
+        _store_row_tile(data_ptr, words, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
 
 
 @triton.jit
@@ -454,8 +552,9 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             a5 = tl.fma(c5, s, a5)
             a6 = tl.fma(c6, s, a6)
             a7 = tl.fma(c7, s, a7)
-        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN and not STOCHASTIC:
-            # Requantize without leaving the nibble-major layout.
+        if OUT_BITS == 4 and OUT_BS == IN_BS and EVEN:
+            # Requantize without leaving the nibble-major layout (stochastic rounding too: the
+            # components pair up as the hash needs).
             m = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1), propagate_nan=_ALL),
                                       tl.maximum(tl.abs(a2), tl.abs(a3), propagate_nan=_ALL),
                                       propagate_nan=_ALL),
@@ -466,11 +565,20 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             absmax = tl.reduce(m, 1, _max_nan)
             ok, scale, pp, inv, plain = _block_params(absmax, OUT_QMAX_F, FAST)
             _store_scales(scale, row, t, out_scale_ptr, nblocks_out, GI, EVEN)
-            words = _pack_words(
-                _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
-                _codes(a2, ok, pp, inv, plain), _codes(a3, ok, pp, inv, plain),
-                _codes(a4, ok, pp, inv, plain), _codes(a5, ok, pp, inv, plain),
-                _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain))
+            if STOCHASTIC:
+                key = tl.load(keys_ptr + row).to(tl.uint32)
+                words = _sr_words(
+                    _sr_bits(_sr_y(a0, pp, inv, plain)), _sr_bits(_sr_y(a1, pp, inv, plain)),
+                    _sr_bits(_sr_y(a2, pp, inv, plain)), _sr_bits(_sr_y(a3, pp, inv, plain)),
+                    _sr_bits(_sr_y(a4, pp, inv, plain)), _sr_bits(_sr_y(a5, pp, inv, plain)),
+                    _sr_bits(_sr_y(a6, pp, inv, plain)), _sr_bits(_sr_y(a7, pp, inv, plain)),
+                    ok, t, key, W, GI)
+            else:
+                words = _pack_words(
+                    _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
+                    _codes(a2, ok, pp, inv, plain), _codes(a3, ok, pp, inv, plain),
+                    _codes(a4, ok, pp, inv, plain), _codes(a5, ok, pp, inv, plain),
+                    _codes(a6, ok, pp, inv, plain), _codes(a7, ok, pp, inv, plain))
             _store_row_tile(out_data_ptr, words, row, t, nbytes_out // 4, nblocks_out, W, GI,
                             EVEN)
         else:
