@@ -394,7 +394,7 @@ def test_use_checkpoint_args_carries_the_query_key_norms(parser):
     assert config.qk_layernorm and config.add_qkv_bias
 
 
-def test_every_dest_rule_decides_some_flag():
+def test_every_dest_rule_decides_some_flag(parser):
     # A rule naming a dest no flag has (a misspelt or renamed dest) would silently leave that
     # flag to a broader rule; group rules stay as the fallback for a later release's flags.
     import fnmatch

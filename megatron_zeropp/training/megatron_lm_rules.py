@@ -417,11 +417,11 @@ def _add_alias(group, ours: argparse.Action, options: List[str]) -> None:
 
 
 def added_entries() -> List[dict]:
-    """The entries of :func:`specs` that the project's own parser does not define."""
+    """The entries of :func:`specs` that the project's own parser does not define (known once
+    :func:`add_args` has built them into a parser: ``training.arguments.build_parser``)."""
     if _ADDED is None:
-        from .arguments import build_parser
-
-        build_parser()
+        raise RuntimeError("no parser built yet: megatron_lm_rules.add_args runs inside "
+                           "training.arguments.build_parser")
     return _ADDED
 
 
