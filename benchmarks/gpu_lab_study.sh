@@ -9,7 +9,10 @@
 # Needs (carried, ignored by git): .whl/m16/ (megatron-core 0.16.1 cp312 wheel,
 # ../shared/tools/device-wheels.sh) and runs/conv_data_small/ (tools/build_sample_corpus.py
 # --corpus sources --prepare).
-# Usage: [EVAL="zero3 qwz+hpz"] bash benchmarks/gpu_lab_study.sh OUTDIR MINUTES CONFIG...
+# Usage: [EVAL="zero3 qwz+hpz"] [MODEL=small ITERS=300 MBS=4] \
+#        bash benchmarks/gpu_lab_study.sh OUTDIR MINUTES CONFIG...
+# (MODEL=124m ITERS=1500 MBS=2 is the 125M study, which needs many calls' worth of time: a job
+# that stops at MINUTES does not resume in a later call, the device keeping nothing.)
 set -uo pipefail
 OUT=${1:?output directory}
 MINUTES=${2:?minutes per job}
@@ -22,7 +25,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 date -u '+%Y-%m-%d %H:%M UTC' >> "$OUT/gpu.txt"
 # shellcheck disable=SC2086
 python3 benchmarks/convergence_lab.py --data-dir runs/conv_data_small --run-dir "$RUN" \
-    --model small --iters 300 --micro-batch-size 4 --global-batch-size 32 --eval-interval 50 \
+    --model "${MODEL:-small}" --iters "${ITERS:-300}" --micro-batch-size "${MBS:-4}" \
+    --global-batch-size 32 --eval-interval 50 \
     --eval-iters 10 --seeds 1234 1235 --configs "$@" --minutes "$MINUTES" \
     ${EVAL:+--evaluate-zero3-as $EVAL} --json "$OUT/lab_small.json" 2>&1 | tee "$OUT/lab_small.txt"
 rc=${PIPESTATUS[0]}
