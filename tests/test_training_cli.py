@@ -102,6 +102,31 @@ def test_zeropp_flags_are_the_same_here_and_in_a_patched_megatron_lm():
     assert ours["--zeropp-qwz-bits"] == (int, 8, (4, 8), None)
 
 
+def test_zeropp_flag_help_is_the_config_fields_docstring():
+    import dataclasses
+    from dataclasses import dataclass
+
+    from megatron_zeropp.sharding import config_flags
+    from megatron_zeropp.sharding.config import ZeroPPConfig
+
+    docs = config_flags.field_docs()
+    assert set(docs) == {f.name for f in dataclasses.fields(ZeroPPConfig)}  # every field has one
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions
+             if a.option_strings and a.option_strings[0].startswith("--zeropp-")}
+    diff = helps["--zeropp-qwz-diff-exact-interval"]
+    assert diff.startswith("With --zeropp-qwz-diff-bits: every this many steps")
+    assert "`" not in "".join(h for h in helps.values() if h)
+    assert "each --zeropp-unit" not in helps["--zeropp-shard-grads"]  # plain words stay words
+
+    @dataclass
+    class Undocumented:
+        a: int = 1
+        """A."""
+        b: int = 2
+
+    assert config_flags.field_docs(Undocumented) == {"a": "A."}  # a missing docstring shows
+
+
 def test_bf16_reduces_gradients_in_fp32_unless_asked_as_megatron_lm():
     assert parse_args(BASE + ["--bf16"], world_size=1).accumulate_allreduce_grads_in_fp32
     assert not parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16"],

@@ -1,7 +1,7 @@
 """The ``--zeropp-*`` command-line flags, generated from :class:`~.config.ZeroPPConfig`.
 
 One flag per dataclass field (``qwz_bits`` -> ``--zeropp-qwz-bits``), with the field's type,
-default and allowed values, so that this project's ``pretrain_gpt.py`` and a patched
+default, allowed values and docstring (its ``--help``), so that this project's ``pretrain_gpt.py`` and a patched
 Megatron-LM (:mod:`megatron_zeropp.megatron_lm`) offer the same flags and neither can drift from
 the dataclass. Values are validated by the dataclass itself when :func:`config_from_args`
 builds it, before any collective.
@@ -23,47 +23,35 @@ CHOICES = {
 }
 """Fields whose values argparse checks itself (the dataclass checks the rest)."""
 
-HELP = {
-    "qwz": "quantized weight all-gather",
-    "hpz": "node-local secondary weights",
-    "hpz_partition_size": "ranks one secondary copy is spread over (default: the DP ranks of a "
-                          "node)",
-    "qgz": "quantized 2-hop gradient reduction",
-    "qgz_intra_bits": "qgZ intra-node hop width (runs only with several DP ranks per node; "
-                      "INT8 by default, the inter-node hop INT4)",
-    "qgz_stochastic_rounding": "round qgZ's quantizations (both hops) stochastically (unbiased); "
-                               "random numbers from --zeropp-rounding-seed, the iteration, the "
-                               "DP rank and the bucket, so reruns are bit-identical",
-    "qwz_stochastic_rounding": "round qwZ's weight quantization stochastically (the same bits "
-                               "for every gather of a step)",
-    "qwz_diff_bits": "qwZ sends each step's weight differences against the receivers' previous "
-                     "reconstruction (the hpZ secondary) at 4 or 8 bits instead of the absolute "
-                     "weights; needs --zeropp-qwz --zeropp-hpz. 0 = off",
-    "qwz_diff_exact_interval": "with --zeropp-qwz-diff-bits: an exact 16-bit gather every N "
-                               "steps (a guard); 0 = only where no reference exists (first "
-                               "step, after a load without a saved reference)",
-    "rounding_seed": "seed of the stochastic rounding",
-    "small_param_threshold": "parameters with fewer elements (norms, biases) travel exactly in "
-                             "the qwZ gather and the qgZ reduction; larger ones are quantized in "
-                             "blocks that never span two parameters. 0 = quantize every "
-                             "parameter",
-    "qgz_fraction": "use qgZ for the first fraction of --train-iters only",
-    "qgz_hadamard": "rotate each qgZ block by a randomized Hadamard transform before quantizing "
-                    "(smooths outliers for INT4); same bytes, one inverse rotation per output "
-                    "chunk",
-    "qgz_hadamard_seed": "seed of the Hadamard rotation's random signs",
-    "qgz_error_feedback": "qgZ error feedback: each rank keeps the fp32 residual of what it "
-                          "quantized and adds it to the next step's gradient (4 bytes per "
-                          "gradient element per rank)",
-    "qgz_error_interval": "diagnostic: on iteration 1 and every N-th iteration measure each "
-                          "layer's relative error of the qgZ reduction against an extra "
-                          "(uncounted) fp32 reduction of the same gradients; logged as 'qgz "
-                          "relative error'. 0 = off",
-    "shard_grads": "reduce each layer's gradients in every micro-batch into an fp32 shard of "
-                   "1/DP (less memory; more bytes with gradient accumulation)",
-    "prefetch_depth": "units whose weight gather is issued ahead of the one computing",
-    "unit": "gather granularity: a unit per layer, or the whole model chunk",
-}
+def field_docs(cls=ZeroPPConfig) -> typing.Dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), read from the
+    source: the one description of a field, shown as its flag's ``--help``."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = after.value.value
+    return docs
+
+
+_ROLE = re.compile(r":\w+:`~?\.*([^`]+)`")  # :mod:`.x` / :func:`~a.b` -> its name
+
+
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def help_text(doc: str) -> str:
+    """A field docstring as flag help: one paragraph, reST markup dropped, fields named in
+    ``literal`` markup written as their flags."""
+    fields = {f.name for f in dataclasses.fields(ZeroPPConfig)}
+    text = _ROLE.sub(lambda m: m.group(1), " ".join(doc.split()))
+    text = _LITERAL.sub(lambda m: flag(m.group(1)) if m.group(1) in fields else m.group(1), text)
+    return text.replace("*", "").replace("%", "%%")
 
 
 def flag(name: str) -> str:
@@ -74,9 +62,10 @@ def flag(name: str) -> str:
 def add_zeropp_flags(group) -> None:
     """Add one flag per :class:`ZeroPPConfig` field to an argparse parser or group."""
     hints = typing.get_type_hints(ZeroPPConfig)
+    docs = field_docs()
     for field in dataclasses.fields(ZeroPPConfig):
         kind, default = hints[field.name], field.default
-        helptext = HELP.get(field.name, f"ZeroPPConfig.{field.name}")
+        helptext = help_text(docs[field.name])
         if kind is bool:
             group.add_argument(flag(field.name), action="store_true", help=helptext)
             continue
