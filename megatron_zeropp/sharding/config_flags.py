@@ -1,10 +1,10 @@
 """The ``--zeropp-*`` command-line flags, generated from :class:`~.config.ZeroPPConfig`.
 
 One flag per dataclass field (``qwz_bits`` -> ``--zeropp-qwz-bits``), with the field's type,
-default, allowed values and docstring (its ``--help``), so that this project's ``pretrain_gpt.py`` and a patched
-Megatron-LM (:mod:`megatron_zeropp.megatron_lm`) offer the same flags and neither can drift from
-the dataclass. Values are validated by the dataclass itself when :func:`config_from_args`
-builds it, before any collective.
+default, allowed values and docstring (its ``--help``), so that this project's
+``pretrain_gpt.py`` and a patched Megatron-LM (:mod:`megatron_zeropp.megatron_lm`) offer the
+same flags and neither can drift from the dataclass. Values are validated by the dataclass
+itself when :func:`config_from_args` builds it, before any collective.
 """
 
 from __future__ import annotations
