@@ -489,5 +489,6 @@ def _final_evaluation(args, chunks, valid_ds, test_ds, dp_group, pp_group, evals
             continue
         history["final_val_loss" if name == "validation" else "test_loss"].append(
             (iteration, loss))
-        board.validation(iteration, consumed, loss)  # Megatron-LM uses one series for both
+        if not args.skip_train:  # as Megatron-LM: an evaluation-only run writes no scalars
+            board.validation(iteration, consumed, loss)  # one series for both, as Megatron-LM
         _log(validation_log_line(f"iteration {iteration} on {name} set", loss))
