@@ -220,7 +220,7 @@ def plot(results: Dict[str, dict], path: str) -> None:
         config, seed = split_name(name)
         by_config.setdefault(config, {})[seed] = dict(h["val_loss"])
     base = by_config.get("zero3", {})
-    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_gap) = plt.subplots(1, 2, figsize=(14, 4.8))
     for i, (config, seeds) in enumerate(by_config.items()):
         color = f"C{i}"
         its = sorted(set.intersection(*(set(v) for v in seeds.values())))
@@ -246,7 +246,7 @@ def plot(results: Dict[str, dict], path: str) -> None:
     ax_gap.axhline(0, color="black", linewidth=0.8)
     ax_gap.set_xlabel("iteration")
     ax_gap.set_ylabel("gap to zero3 of the same seed (%)")
-    ax_gap.legend(fontsize=7)
+    ax_gap.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -335,6 +335,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name, h in json.load(f)["runs"].items():
                 if not results.get(name, {}).get("iterations"):  # this call's own run wins
                     results[name] = h
+    order = list(LAB_CONFIGS)  # tables and plots in one order, however the calls were split
+    results = dict(sorted(results.items(), key=lambda kv: (order.index(split_name(kv[0])[0]),
+                                                           split_name(kv[0])[1])))
     summ = summary(results, args.seeds, args.at)
     evaluations = {}
     if args.evaluate_zero3_as:
