@@ -208,9 +208,30 @@ def unpack_rows(
     return data, scales
 
 
+def code_dtype(bits: int) -> torch.dtype:
+    """dtype of quantized codes on the wire: int8 for INT8, packed uint8 for INT4."""
+    return torch.int8 if bits == 8 else torch.uint8
+
+
+def empty_codes(rows: int, bits: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of ``rows`` rows of 0 elements (a bucket whose every parameter travels
+    exactly): the kernels are not called on empty rows."""
+    return (torch.empty(rows, 0, dtype=code_dtype(bits), device=device),
+            torch.empty(rows, 0, dtype=torch.float32, device=device))
+
+
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty(0, dtype=dtype).element_size()
+
+
+def check_rounding_key(rounding_key) -> None:
+    """A stochastic-rounding key is a 32-bit unsigned int, or None (round to nearest)."""
+    if rounding_key is not None and (not isinstance(rounding_key, int)
+                                     or isinstance(rounding_key, bool)
+                                     or not 0 <= rounding_key < 2**32):
+        raise ValueError(f"rounding_key must be an int in [0, 2**32) or None, got "
+                         f"{rounding_key!r}")
 
 
 def check_quant_args(bits, block_size) -> None:

@@ -67,9 +67,11 @@ from .common import (
     check_member,
     check_op,
     check_quant_args,
+    check_rounding_key,
     check_same_device,
     check_tensor,
     element_size,
+    empty_codes,
     pack_rows,
     unpack_rows,
 )
@@ -242,11 +244,7 @@ def qgz_reduce_scatter(
         if not isinstance(hadamard_seed, int) or isinstance(hadamard_seed, bool):
             raise ValueError(f"hadamard_seed must be an int or None, got {hadamard_seed!r}")
         check_rotation_block(block_size)
-    if rounding_key is not None and (not isinstance(rounding_key, int)
-                                     or isinstance(rounding_key, bool)
-                                     or not 0 <= rounding_key < 2**32):
-        raise ValueError(f"rounding_key must be an int in [0, 2**32) or None, got "
-                         f"{rounding_key!r}")
+    check_rounding_key(rounding_key)
     if residual is not None and not isinstance(residual, QgzResidual):
         raise ValueError(f"residual must be a QgzResidual or None, got {type(residual).__name__}")
     if stats is not None:
@@ -402,14 +400,6 @@ def _round_keys(point: int, chunks, device) -> Optional[torch.Tensor]:
     return row_keys(derive_key(base, point), chunks, device)
 
 
-def _empty_codes(rows: int, bits: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of ``rows`` rows of 0 elements (a bucket whose every parameter in
-    this chunk travels exactly): the kernels are not called on empty rows."""
-    dtype = torch.int8 if bits == 8 else torch.uint8
-    return (torch.empty(rows, 0, dtype=dtype, device=device),
-            torch.empty(rows, 0, dtype=torch.float32, device=device))
-
-
 def _reduce_pieces(data, scales, bits, bs, w, out_bits=None, out_row_keys=None):
     """:func:`dequantize_reduce` of (P, C, ...) pieces to fp32 (or requantized at
     ``out_bits``, stochastically with ``out_row_keys``), also for rows of 0 quantized
@@ -418,7 +408,7 @@ def _reduce_pieces(data, scales, bits, bs, w, out_bits=None, out_row_keys=None):
         rows = data.shape[1]
         if out_bits is None:
             return torch.empty(rows, 0, dtype=torch.float32, device=data.device)
-        return _empty_codes(rows, out_bits, data.device)
+        return empty_codes(rows, out_bits, data.device)
     if out_bits is None:
         return dequantize_reduce(data, scales, bits, bs, w, out_dtype=torch.float32)
     return dequantize_reduce(data, scales, bits, bs, w, out_bits=out_bits, out_block_size=bs,
@@ -449,7 +439,7 @@ def _chunk_order(K: int, N: int, device: torch.device) -> torch.Tensor:
 def _first_quantize(x, K, N, bits, bs, residual: Optional[QgzResidual]):
     """Step 1, with error feedback when ``residual`` is given (kept in input order)."""
     if x.numel() == 0:
-        return _empty_codes(K * N, bits, x.device)
+        return empty_codes(K * N, bits, x.device)
     keys = _round_keys(1, qgz_chunk_order(K, N), x.device)  # per send position: its chunk's
     if residual is None:
         return swizzled_quantize(x, K, N, bits, bs, keys)

@@ -38,9 +38,11 @@ from .common import (
     all_to_all_v_into,
     check_member,
     check_quant_args,
+    check_rounding_key,
     check_same_device,
     check_tensor,
     element_size,
+    empty_codes,
     pack_rows,
     unpack_rows,
 )
@@ -95,11 +97,7 @@ def qwz_all_gather(
             f"qwz_all_gather: output has {output.numel()} elements, expected group size {g} x "
             f"input numel {n} = {g * n}"
         )
-    if rounding_key is not None and (not isinstance(rounding_key, int)
-                                     or isinstance(rounding_key, bool)
-                                     or not 0 <= rounding_key < 2**32):
-        raise ValueError(f"rounding_key must be an int in [0, 2**32) or None, got "
-                         f"{rounding_key!r}")
+    check_rounding_key(rounding_key)
     layout = layout_for(segments, g, n, block_size)
     nbytes, nblocks = quantized_sizes(layout.quant_numel, bits, block_size)
     me_global = torch.distributed.get_rank()
@@ -127,9 +125,7 @@ def _gather_quantized(output, input, group, g, bits, block_size, nbytes, layout,
         data, scales = quantize_chunks(layout.gather("q", mine, (me,), local=True), bits,
                                        block_size, keys)
     else:  # every parameter of this bucket travels exactly
-        data = torch.empty(1, 0, dtype=torch.int8 if bits == 8 else torch.uint8,
-                           device=input.device)
-        scales = torch.empty(1, 0, dtype=torch.float32, device=input.device)
+        data, scales = empty_codes(1, bits, input.device)
     send = pack_rows(data, scales).view(-1)
     recv = torch.empty(g, send.numel(), dtype=torch.uint8, device=send.device)
     all_gather_into(recv, send, group)

@@ -49,9 +49,12 @@ from .common import (
     all_to_all_v_into,
     check_member,
     check_quant_args,
+    check_rounding_key,
     check_same_device,
     check_tensor,
+    code_dtype,
     element_size,
+    empty_codes,
     pack_rows,
     unpack_rows,
 )
@@ -143,11 +146,7 @@ def qwz_diff_all_gather(
         if reference.numel() != n:
             raise ValueError(f"qwz_diff_all_gather: reference has {reference.numel()} elements, "
                              f"input {n}")
-    if rounding_key is not None and (not isinstance(rounding_key, int)
-                                     or isinstance(rounding_key, bool)
-                                     or not 0 <= rounding_key < 2**32):
-        raise ValueError(f"rounding_key must be an int in [0, 2**32) or None, got "
-                         f"{rounding_key!r}")
+    check_rounding_key(rounding_key)
     layout = layout_for(segments, g, n, block_size)
     nbytes, nblocks = quantized_sizes(layout.quant_numel, bits, block_size)
     if layout.quant_numel == 0:
@@ -222,9 +221,7 @@ def quantize_difference(input, ref, layout: SegmentLayout, row: int, bits: int,
     nblocks))`` (empty when the row has no quantized elements)."""
     n = input.numel()
     if not layout.quant_numel:
-        return (torch.empty(1, 0, dtype=torch.int8 if bits == 8 else torch.uint8,
-                            device=input.device),
-                torch.empty(1, 0, dtype=torch.float32, device=input.device))
+        return empty_codes(1, bits, input.device)
     d = input.reshape(1, n).float() - ref.reshape(1, n).float()
     return quantize_chunks(layout.gather("q", d, (row,), local=True), bits, block_size, keys)
 
@@ -235,7 +232,7 @@ def dequantize_rows(packed: torch.Tensor, layout: SegmentLayout, bits: int, bloc
     rows = packed.shape[0]
     if not layout.quant_numel:
         return torch.zeros(rows, 0, dtype=torch.float32, device=packed.device)
-    data, scales = unpack_rows(packed, nbytes, torch.int8 if bits == 8 else torch.uint8)
+    data, scales = unpack_rows(packed, nbytes, code_dtype(bits))
     return dequantize_chunks(data, scales, bits, block_size, layout.quant_numel, torch.float32)
 
 
