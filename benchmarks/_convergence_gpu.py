@@ -53,6 +53,9 @@ TRAINING = ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "6e-4", "-
             "--ckpt-format", "torch"]
 
 _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+# the closing evaluation (after the last iteration, or all of a --skip-train run)
+_FINAL_VALIDATION = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss "
+                               r"value: ([0-9.Ee+-]+)")
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
         path = os.path.join(run_dir, name, "train.log")
         its: Dict[int, dict] = {}
         vals: Dict[int, float] = {}
+        finals: Dict[int, float] = {}
         if os.path.exists(path):
             with open(path, errors="replace") as f:
                 for line in f:
@@ -217,9 +221,10 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
                     if it is not None and "loss" in it:
                         its[it["iteration"]] = it
                         continue
-                    m = _VALIDATION.search(line)
-                    if m:
-                        vals[int(m.group(1))] = float(m.group(2))
+                    for pattern, into in ((_VALIDATION, vals), (_FINAL_VALIDATION, finals)):
+                        m = pattern.search(line)
+                        if m:
+                            into[int(m.group(1))] = float(m.group(2))
         order = sorted(its)
         out[name] = {
             "iterations": order,
@@ -227,6 +232,7 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
             "grad_norm": [its[i].get("grad_norm") for i in order],
             "ms": [its[i].get("ms") for i in order],
             "val_loss": sorted(vals.items()),
+            "final_val_loss": sorted(finals.items()),
             "qgz_error": _qgz_errors(os.path.join(run_dir, name, "qgz_error.jsonl")),
         }
     return out

@@ -42,7 +42,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -102,13 +101,13 @@ class LabRun(G.Study):
 def job_command(run: LabRun, name: str, port: int) -> List[str]:
     """One job: the lab's torchrun command (``tools/numerics_lab.lab_command``) over the same
     pretrain_gpt.py flags as the multi-GPU study."""
+    return _lab_job(run, G.job_flags(run, name), port)
+
+
+def _lab_job(run: LabRun, flags: Sequence[str], port: int) -> List[str]:
     env = ["env"] + [f"{k}={v}" for k, v in COMMON_ENV.items()]
-    return env + lab_command(run.nodes, run.ranks_per_node, G.job_flags(run, name),
-                             python=run.python, master_port=port)
-
-
-_FINAL_VALIDATION = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss "
-                               r"value: ([0-9.Ee+-]+)")
+    return env + lab_command(run.nodes, run.ranks_per_node, flags, python=run.python,
+                             master_port=port)
 
 
 def eval_name(config: str, seed: int) -> str:
@@ -127,9 +126,7 @@ def eval_command(run: LabRun, name: str, port: int, eval_iters: int) -> List[str
         del flags[i:i + 2]
     flags[flags.index("--load") + 1] = os.path.join(run.run_dir, job_name("zero3", seed), "ckpt")
     flags += ["--skip-train", "--eval-iters", str(eval_iters)]
-    env = ["env"] + [f"{k}={v}" for k, v in COMMON_ENV.items()]
-    return env + lab_command(run.nodes, run.ranks_per_node, flags, python=run.python,
-                             master_port=port)
+    return _lab_job(run, flags, port)
 
 
 def evaluate_zero3(run: LabRun, configs: Sequence[str], seeds: Sequence[int], eval_iters: int,
@@ -141,16 +138,9 @@ def evaluate_zero3(run: LabRun, configs: Sequence[str], seeds: Sequence[int], ev
     codes = G.run_all(erun, echo=echo,
                       command=lambda r, n, port: eval_command(r, n, port, eval_iters))
     out: Dict[str, dict] = {}
-    for name in names:
+    for name, h in G.collect(run.run_dir, list(names)).items():
         config, seed = split_name(name[len("zero3-as-"):])
-        found = None
-        path = os.path.join(run.run_dir, name, "train.log")
-        if os.path.exists(path):
-            with open(path, errors="replace") as f:
-                for line in f:
-                    m = _FINAL_VALIDATION.search(line)
-                    if m:
-                        found = (int(m.group(1)), float(m.group(2)))
+        found = tuple(h["final_val_loss"][-1]) if h["final_val_loss"] else None
         out.setdefault(config, {})[seed] = found
         if found is None:
             echo(f"{name}: no final validation line (exit code {codes[name]})")

@@ -81,7 +81,9 @@ def test_collect_reads_resumed_logs_and_the_table_compares(tmp_path):
         # replayed iteration 3 and the new 4 come later in the same file; the later line wins.
         lines += ["### resumed\n", _line(3, losses[2]), _line(4, losses[3]),
                   " validation loss at iteration 4 | lm loss value: "
-                  f"{losses[3] + (0.1 if name == 'qgz' else 0):.6E} | lm loss PPL: 1 |\n"]
+                  f"{losses[3] + (0.1 if name == 'qgz' else 0):.6E} | lm loss PPL: 1 |\n",
+                  " validation loss at iteration 4 on validation set | lm loss value: "
+                  f"{losses[3] + 0.05:.6E} | lm loss PPL: 1 |\n"]
         (run_dir / name / "train.log").write_text("".join(lines))
     (run_dir / "qgz" / "qgz_error.jsonl").write_text(
         json.dumps({"iteration": 1, "units": {"a": 0.1}, "total": 0.1}) + "\n")
@@ -89,6 +91,7 @@ def test_collect_reads_resumed_logs_and_the_table_compares(tmp_path):
     assert res["zero3"]["iterations"] == [1, 2, 3, 4]
     assert res["qgz"]["loss"] == [3.0, 2.6, 2.1, 1.5]
     assert res["qgz"]["val_loss"] == [(4, 1.6)] and res["qgz"]["qgz_error"][0]["total"] == 0.1
+    assert res["zero3"]["final_val_loss"] == [(4, 1.55)]  # the closing evaluation, apart
     table = C._table_gpu(res)
     rows = {r.split(" | ")[0].strip("| "): r for r in table.splitlines()[2:]}
     assert "none (identical)" in rows["hpz"]
