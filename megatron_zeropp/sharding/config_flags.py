@@ -10,6 +10,7 @@ itself when :func:`config_from_args` builds it, before any collective.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import typing
 
@@ -23,6 +24,7 @@ CHOICES = {
 }
 """Fields whose values argparse checks itself (the dataclass checks the rest)."""
 
+@functools.lru_cache(maxsize=None)  # the parser is built more than once per process
 def field_docs(cls=ZeroPPConfig) -> typing.Dict[str, str]:
     """Each field's docstring (the string literal under it in the class body), read from the
     source: the one description of a field, shown as its flag's ``--help``."""

@@ -255,7 +255,7 @@ def validate(args, world_size: int) -> List[str]:
         errors.append(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}"
         )
-    if getattr(args, "skip_train", False) and not args.no_load_optim:
+    if args.skip_train and not args.no_load_optim:
         # as Megatron-LM's validate_args: an evaluation needs no optimizer state
         notes.append("--no-load-optim enabled: --skip-train")
         args.no_load_optim = True
