@@ -26,6 +26,10 @@ import torch
 
 from megatron_zeropp.simulated_nodes import DistributedFailure, run_distributed
 
+# CI's second pass (pytest -m slow): the Megatron-LM checkpoint matrix, about 70 s, which the
+# README's command leaves out to stay short.
+pytestmark = pytest.mark.slow
+
 STEPS = 2
 LAYOUTS = ("dp_reshardable", "fully_reshardable", None)  # None: no --use-distributed-optimizer
 

@@ -20,6 +20,10 @@ import uuid
 import numpy
 import pytest
 
+# CI's second pass (pytest -m slow): the operator failures are whole torchrun jobs, about two
+# minutes together, which the README's command leaves out to stay short.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = os.path.join(ROOT, "tests", "fault_entry.py")
 VOCAB = 64  # NullTokenizer: ids 0..63, EOD 64, so .vocab_size == 65
@@ -160,7 +164,6 @@ def _one_line_from_rank_0(stderr, message):
     assert f'File "{ROOT}/megatron_zeropp' not in stderr
 
 
-@pytest.mark.slow
 def test_a_frozen_rank_ends_the_job_naming_rank_and_collective(prev, tmp_path):
     copy, before, dirs = prev
     # 4 ranks as 2 nodes x 2, all of ZeRO++: rank 3 stops responding after iteration 5 (before
@@ -178,7 +181,6 @@ def test_a_frozen_rank_ends_the_job_naming_rank_and_collective(prev, tmp_path):
     assert _fingerprint(*dirs) == before
 
 
-@pytest.mark.slow
 def test_a_killed_rank_ends_the_job(prev):
     copy, before, dirs = prev
     run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]),
@@ -392,7 +394,6 @@ def test_checksums_find_garbage_that_sizes_cannot(prev):
     assert _fingerprint(*dirs) == before
 
 
-@pytest.mark.slow
 def test_sigterm_with_exit_signal_handler_saves_then_exits(prev, tmp_path):
     copy, before, dirs = prev
     other = copy / "other"
@@ -440,7 +441,6 @@ def test_a_save_directory_that_is_not_shared_is_refused_at_start(prev):
     assert _fingerprint(*dirs) == before
 
 
-@pytest.mark.slow
 def test_two_jobs_started_together_on_one_save_directory(prev, tmp_path):
     # Two real jobs race for one fresh --save (a Slurm requeue overlapping its old allocation):
     # one must be refused at start naming the other, the other must finish, and its checkpoint
