@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The reduced seeded study of the numerics lab in one device call (issue 22 item 6, issue 23):
 # benchmarks/convergence_lab.py on the 23M GPT ("small"), 2 x 2 ranks on one GPU, 300-iteration
-# schedule, seeds 1234 and 1235, each job stopped after MINUTES; then, if EVAL is set (e.g.
+# schedule, seeds SEEDS (default "1234 1235"), each job stopped after MINUTES; then, if EVAL is set (e.g.
 # EVAL="zero3 qwz+hpz"), zero3's last checkpoint of each seed evaluated under those
 # configurations (--skip-train). The device keeps nothing between calls, so everything a call
 # needs happens in it; the logs come back as OUTDIR/logs.tar.gz.
@@ -9,7 +9,7 @@
 # Needs (carried, ignored by git): .whl/m16/ (megatron-core 0.16.1 cp312 wheel,
 # ../shared/tools/device-wheels.sh) and runs/conv_data_small/ (tools/build_sample_corpus.py
 # --corpus sources --prepare).
-# Usage: [EVAL="zero3 qwz+hpz"] [MODEL=small ITERS=300 MBS=4] \
+# Usage: [EVAL="zero3 qwz+hpz"] [SEEDS="1234 1235"] [MODEL=small ITERS=300 MBS=4] \
 #        bash benchmarks/gpu_lab_study.sh OUTDIR MINUTES CONFIG...
 # (MODEL=124m ITERS=1500 MBS=2 is the 125M study, which needs many calls' worth of time: a job
 # that stops at MINUTES does not resume in a later call, the device keeping nothing.)
@@ -27,7 +27,7 @@ date -u '+%Y-%m-%d %H:%M UTC' >> "$OUT/gpu.txt"
 python3 benchmarks/convergence_lab.py --data-dir runs/conv_data_small --run-dir "$RUN" \
     --model "${MODEL:-small}" --iters "${ITERS:-300}" --micro-batch-size "${MBS:-4}" \
     --global-batch-size 32 --eval-interval 50 \
-    --eval-iters 10 --seeds 1234 1235 --configs "$@" --minutes "$MINUTES" \
+    --eval-iters 10 --seeds ${SEEDS:-1234 1235} --configs "$@" --minutes "$MINUTES" \
     ${EVAL:+--evaluate-zero3-as $EVAL} --json "$OUT/lab_small.json" 2>&1 | tee "$OUT/lab_small.txt"
 rc=${PIPESTATUS[0]}
 # one archive: the device returns a handful of files per call

@@ -97,6 +97,18 @@ def test_summary_mean_spread_and_gap():
     assert s["all3"]["paired_gap_pct"] == {1: pytest.approx(10.0),
                                            2: pytest.approx(100 * 0.2 / 2.2)}
     assert "+10.000 %, +9.091 %" in L.table(s)
+    mean = (10.0 + 100 * 0.2 / 2.2) / 2
+    se = abs(10.0 - 100 * 0.2 / 2.2) / 2  # the stdev of two values is |a - b| / sqrt(2)
+    assert s["all3"]["paired_gap_mean_pct"] == pytest.approx(mean)
+    assert s["all3"]["paired_gap_se_pct"] == pytest.approx(se)
+    assert f"{mean:+.3f} +- {se:.3f} %" in L.table(s)
+    # A configuration run on fewer seeds is compared with zero3 on those seeds only: zero3's
+    # other seed (far lower here) must not enter its gap.
+    more = dict(results, **{"zero3@seed3": h(1.0), "all3@seed3": h(1.0)})
+    more.pop("all3@seed3")
+    s3 = L.summary(more, [1, 2, 3])
+    assert s3["zero3"]["mean"] == pytest.approx(5.2 / 3)
+    assert s3["all3"]["gap_pct"] == pytest.approx(100 * 0.2 / 2.1)
     # an explicit validation iteration; a job that did not reach it has no value there
     results["all3@seed1"] = {"iterations": [1, 2, 3], "val_loss": [(2, 2.2), (3, 2.0)]}
     s = L.summary(results, [1, 2], at=3)
