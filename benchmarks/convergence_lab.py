@@ -14,11 +14,13 @@ Configurations (``LAB_CONFIGS``):
                  when only rounding order changes)
     qwz+hpz      qwZ + hpZ (small parameters exact: the default)
     all3-old     all three as measured in issue 15: every parameter quantized (threshold 0),
-                 qgZ INT4 on both hops (blocks are per parameter now; that part cannot be undone)
-    all3         all three with the new defaults: per-parameter blocks, parameters below 1e5
-                 elements exact, qgZ INT8 intra-node / INT4 inter-node
-    all3+sr      the same with stochastic rounding in qgZ (both hops)
-    all3+ef      the same with qgZ error feedback
+                 qgZ INT4 on both hops, rounding to nearest (blocks are per parameter now;
+                 that part cannot be undone)
+    all3         all three with per-parameter blocks, parameters below 1e5 elements exact,
+                 qgZ INT8 intra-node / INT4 inter-node, rounding to nearest (the defaults
+                 before the four-seed study)
+    all3+sr      the same with stochastic rounding in qgZ (both hops): the defaults now
+    all3+ef      all3 with qgZ error feedback
     qwz-diff4+hpz  qwZ sending 4-bit weight differences (issue 23) + hpZ
     qwz-sr+hpz   qwZ with stochastic rounding of the weights + hpZ
 
@@ -58,14 +60,18 @@ from gpu_shaped import COMMON_ENV  # noqa: E402
 from numerics_lab import lab_command  # noqa: E402
 
 _ALL3 = ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz")
+# The configurations that ran before qgZ's default became stochastic rounding keep their
+# rounding, so that a rerun is the run the study recorded.
+_NEAREST = "--no-zeropp-qgz-stochastic-rounding"
 LAB_CONFIGS: Dict[str, Tuple[str, ...]] = {
     "zero3": (),
     "zero3+sg": ("--zeropp-shard-grads",),
     "qwz+hpz": ("--zeropp-qwz", "--zeropp-hpz"),
-    "all3-old": _ALL3 + ("--zeropp-small-param-threshold", "0", "--zeropp-qgz-intra-bits", "4"),
-    "all3": _ALL3,
+    "all3-old": _ALL3 + ("--zeropp-small-param-threshold", "0", "--zeropp-qgz-intra-bits", "4",
+                         _NEAREST),
+    "all3": _ALL3 + (_NEAREST,),
     "all3+sr": _ALL3 + ("--zeropp-qgz-stochastic-rounding",),
-    "all3+ef": _ALL3 + ("--zeropp-qgz-error-feedback",),
+    "all3+ef": _ALL3 + ("--zeropp-qgz-error-feedback", _NEAREST),
     "qwz-diff4+hpz": ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qwz-diff-bits", "4"),
     "qwz-sr+hpz": ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qwz-stochastic-rounding"),
 }
@@ -213,8 +219,9 @@ def table(summ: Dict[str, dict]) -> str:
 
 
 def plot(results: Dict[str, dict], path: str) -> None:
-    """Validation loss per configuration (mean over seeds, the seeds' range shaded) and each
-    seed's paired gap to zero3 of the same seed, over the validation iterations, in one PNG."""
+    """Validation loss per configuration (mean over seeds, the seeds' range shaded) and the
+    mean paired gap to zero3 of the same seed with its standard error, over the validation
+    iterations (points shifted a little apart), in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,20 +245,28 @@ def plot(results: Dict[str, dict], path: str) -> None:
                              alpha=0.15)
         if config == "zero3":
             continue
-        for j, (seed, curve) in enumerate(sorted(seeds.items())):
+        gaps: Dict[int, List[float]] = {}
+        for seed, curve in seeds.items():
             ref = base.get(seed, {})
-            pts = [(it, 100 * (curve[it] - ref[it]) / ref[it]) for it in sorted(curve)
-                   if it in ref]
-            if pts:
-                ax_gap.plot(*zip(*pts), color=color, marker="os^v"[j % 4], linewidth=1,
-                            label=f"{config}, seed {seed}")
+            for it in curve:
+                if it in ref:
+                    gaps.setdefault(it, []).append(100 * (curve[it] - ref[it]) / ref[it])
+        its = sorted(gaps)
+        if its:
+            # mean paired gap and its standard error (none with a single seed)
+            se = [statistics.stdev(gaps[it]) / len(gaps[it]) ** 0.5 if len(gaps[it]) > 1
+                  else 0.0 for it in its]
+            ax_gap.errorbar([it + 2 * (i - len(by_config) / 2) for it in its],
+                            [statistics.fmean(gaps[it]) for it in its], yerr=se, color=color,
+                            marker="o", capsize=3, linewidth=1,
+                            label=f"{config} ({len(seeds)} seeds)")
     ax_loss.set_xlabel("iteration")
     ax_loss.set_ylabel("validation loss")
     ax_loss.legend(fontsize=8)
     ax_gap.axhline(0, color="black", linewidth=0.8)
     ax_gap.set_xlabel("iteration")
-    ax_gap.set_ylabel("gap to zero3 of the same seed (%)")
-    ax_gap.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax_gap.set_ylabel("gap to zero3 of the same seed (%), mean +- s.e.")
+    ax_gap.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

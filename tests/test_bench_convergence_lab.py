@@ -63,8 +63,8 @@ def test_job_command_is_the_lab_over_the_study_flags(tmp_path):
     cmd = L.job_command(run, "all3@seed2", 1234)
     assert _flag(cmd, "--nproc-per-node") == "64" and "--ranks-share-gpu" in cmd
     assert _flag(cmd, "--ranks-per-node") == "8" and _flag(cmd, "--seed") == "2"
-    assert cmd.count("--seed") == 1 and cmd[-5:-2] == ["--zeropp-qwz", "--zeropp-hpz",
-                                                         "--zeropp-qgz"]
+    assert cmd.count("--seed") == 1 and cmd[-6:-2] == [
+        "--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz", "--no-zeropp-qgz-stochastic-rounding"]
     ckpt = os.path.join(run.run_dir, "all3@seed2", "ckpt")
     assert _flag(cmd, "--save") == _flag(cmd, "--load") == ckpt
     assert "NCCL_NVLS_ENABLE=0" in cmd  # the device hosts' rule, kept for every job

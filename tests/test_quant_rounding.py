@@ -212,12 +212,13 @@ def test_collectives_rerun_bit_identical_and_keys_matter():
         assert torch.equal(runs[1][rank][1], runs[1][0][1])
 
 
-def _train(ctx, seed, stochastic):
+def _train(ctx, seed, stochastic, qgz_stochastic="same"):
     from zero3_runs import build, train
 
     from megatron_zeropp.sharding import ZeroPPConfig
 
-    cfg = ZeroPPConfig(qwz=True, hpz=True, qgz=True, qgz_stochastic_rounding=stochastic,
+    qgz_stochastic = stochastic if qgz_stochastic == "same" else qgz_stochastic
+    cfg = ZeroPPConfig(qwz=True, hpz=True, qgz=True, qgz_stochastic_rounding=qgz_stochastic,
                        qwz_stochastic_rounding=stochastic, rounding_seed=seed)
     _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", cfg)
     return [s[:2] for s in train(wrapped, optimizer, 4, global_batch=8, micro=1)]
@@ -229,6 +230,8 @@ def test_training_with_stochastic_rounding_reruns_bit_identical():
     again = run_distributed(_train, 2, 2, args=(7, True))
     other = run_distributed(_train, 2, 2, args=(8, True))
     nearest = run_distributed(_train, 2, 2, args=(7, False))
+    # qgZ's default (None) is stochastic rounding: the same run as asking for it
+    assert run_distributed(_train, 2, 2, args=(7, True, None)) == first
     assert first == again  # losses and gradient norms, every step, every rank
     assert all(r == first[0] for r in first)  # the ranks agree
     # qwZ's rounding changes step 1's forward weights already, so its loss differs

@@ -32,7 +32,8 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-qgz-error-log --zeropp-qgz-fraction --zeropp-qgz-hadamard --zeropp-qgz-inter-bits
 --zeropp-qgz-intra-bits --zeropp-qwz --zeropp-qwz-bits --zeropp-qwz-block-size
 --zeropp-shard-grads --zeropp-small-param-threshold --zeropp-unit
---zeropp-qgz-stochastic-rounding --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
+--zeropp-qgz-stochastic-rounding --no-zeropp-qgz-stochastic-rounding
+--zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
 --zeropp-qwz-diff-bits --zeropp-qwz-diff-exact-interval --zeropp-qgz-hadamard-seed
 """.split())
 
@@ -81,6 +82,28 @@ def test_a_valid_command_line_fills_megatron_defaults():
     assert args.lr_decay_iters == 10
     swiglu = parse_args(BASE + ["--swiglu"], world_size=1)
     assert swiglu.ffn_hidden_size == 192  # 8/3 * 64 rounded up to a multiple of 64
+
+
+def test_qgz_rounds_stochastically_by_default_and_nearest_when_asked(capsys):
+    from megatron_zeropp.sharding import ZeroPPConfig
+    from megatron_zeropp.sharding.config_flags import config_from_args
+
+    def config(*flags):
+        return config_from_args(parse_args(BASE + list(flags), world_size=4))
+
+    assert config("--zeropp-qgz").qgz_rounds_stochastically
+    assert config("--zeropp-qgz", "--zeropp-qgz-stochastic-rounding").qgz_rounds_stochastically
+    nearest = config("--zeropp-qgz", "--no-zeropp-qgz-stochastic-rounding")
+    assert nearest.qgz_stochastic_rounding is False and not nearest.qgz_rounds_stochastically
+    assert "nearest rounding" in nearest.describe()
+    assert not config().qgz_rounds_stochastically  # nothing to round without qgZ
+    # an explicit False without qgZ is what older releases' checkpoints hold: accepted
+    assert not config("--no-zeropp-qgz-stochastic-rounding").qgz_rounds_stochastically
+    with pytest.raises(SystemExit):
+        config("--zeropp-qgz-stochastic-rounding")
+    assert "--zeropp-qgz-stochastic-rounding=True needs qgZ" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must be None .* got 1"):
+        ZeroPPConfig(qgz=True, qgz_stochastic_rounding=1)
 
 
 def test_zeropp_flags_are_the_same_here_and_in_a_patched_megatron_lm():

@@ -47,11 +47,14 @@ class ZeroPPConfig:
     the qgZ reduction. Larger ones are quantized in blocks that never span two parameters.
     DeepSpeed's ``stage3_param_persistence_threshold`` default (1e5) likewise keeps such
     parameters out of its partitioning. 0 = quantize every parameter."""
-    qgz_stochastic_rounding: bool = False
+    qgz_stochastic_rounding: Optional[bool] = None
     """Round qgZ's quantizations (both hops) stochastically instead of to nearest: unbiased
     (round-to-nearest INT4 zeroes every value below half its block's scale). Random numbers
     from a counter-based hash of (``rounding_seed``, iteration, reduction of the iteration,
-    DP rank, bucket): a rerun is bit-identical (:mod:`megatron_zeropp.quant.rounding`)."""
+    DP rank, bucket): a rerun is bit-identical (:mod:`megatron_zeropp.quant.rounding`).
+    ``None`` (the default): stochastic whenever qgZ is on, the only all-three configuration of
+    the seeded lab study with every seed inside 0.25 % of ZeRO-3 (docs/benchmarks.md);
+    ``False``: round to nearest."""
     qwz_stochastic_rounding: bool = False
     """Round qwZ's weight quantization stochastically, keyed by (``rounding_seed``, weight
     version, DP rank, bucket): every gather of a step (forward, backward, micro-batches) sees
@@ -106,9 +109,12 @@ class ZeroPPConfig:
 
     def __post_init__(self):
         for name in ("qwz", "hpz", "qgz", "shard_grads", "qgz_error_feedback", "qgz_hadamard",
-                     "qgz_stochastic_rounding", "qwz_stochastic_rounding"):
+                     "qwz_stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.qgz_stochastic_rounding, (bool, type(None))):
+            raise ValueError("qgz_stochastic_rounding must be None (the default), True or False, "
+                             f"got {self.qgz_stochastic_rounding!r}")
         for name in ("qwz_bits", "qgz_intra_bits", "qgz_inter_bits"):
             if getattr(self, name) not in (4, 8):
                 raise ValueError(f"{name} must be 4 or 8, got {getattr(self, name)!r}")
@@ -143,7 +149,9 @@ class ZeroPPConfig:
             raise ValueError(
                 f"qgz_hadamard_seed must be an int >= 0, got {self.qgz_hadamard_seed!r}"
             )
-        if self.qgz_stochastic_rounding and not self.qgz:
+        # An explicit False without qgZ is harmless (and what checkpoints of older releases
+        # saved as the default); an explicit True asks for something that will not run.
+        if self.qgz_stochastic_rounding is True and not self.qgz:
             raise ValueError("qgz_stochastic_rounding=True needs qgZ, which is off (qgz=False)")
         if self.qwz_stochastic_rounding and not self.qwz:
             raise ValueError("qwz_stochastic_rounding=True needs qwZ, which is off (qwz=False)")
@@ -169,6 +177,11 @@ class ZeroPPConfig:
         if self.unit not in _UNITS:
             raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
 
+    @property
+    def qgz_rounds_stochastically(self) -> bool:
+        """Whether qgZ's quantizations round stochastically (qgZ on, and not turned off)."""
+        return self.qgz and self.qgz_stochastic_rounding is not False
+
     def describe(self) -> str:
         """Short human summary for logs."""
         parts = []
@@ -187,7 +200,8 @@ class ZeroPPConfig:
         if self.qgz:
             frac = "" if self.qgz_fraction == 1.0 else f" first {self.qgz_fraction:.0%}"
             extras = " + Hadamard" if self.qgz_hadamard else ""
-            extras += " + stochastic rounding" if self.qgz_stochastic_rounding else ""
+            extras += (" + stochastic rounding" if self.qgz_rounds_stochastically
+                       else " + nearest rounding")
             extras += " + error feedback" if self.qgz_error_feedback else ""
             parts.append(
                 f"qgZ INT{self.qgz_intra_bits}/INT{self.qgz_inter_bits}/{self.qgz_block_size}{frac}"

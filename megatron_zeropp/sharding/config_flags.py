@@ -9,6 +9,7 @@ itself when :func:`config_from_args` builds it, before any collective.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import re
@@ -70,6 +71,10 @@ def add_zeropp_flags(group) -> None:
         helptext = help_text(docs[field.name])
         if kind is bool:
             group.add_argument(flag(field.name), action="store_true", help=helptext)
+            continue
+        if kind == typing.Optional[bool]:  # None = the default; --no-... turns it off
+            group.add_argument(flag(field.name), action=argparse.BooleanOptionalAction,
+                               default=None, help=helptext)
             continue
         if typing.get_origin(kind) is typing.Union:  # Optional[int]
             kind = next(a for a in typing.get_args(kind) if a is not type(None))

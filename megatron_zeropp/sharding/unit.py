@@ -106,7 +106,7 @@ class ShardComm:
         return derive_key(self.config.rounding_seed, 2, sent, self.dp_rank, bucket_id)
 
     def _qgz_key(self, bucket_id: Optional[int]) -> Optional[int]:
-        if not self.config.qgz_stochastic_rounding or bucket_id is None:
+        if not self.config.qgz_rounds_stochastically or bucket_id is None:
             return None
         if self._reductions_iteration != self.iteration:
             self._reductions, self._reductions_iteration = {}, self.iteration
