@@ -42,6 +42,22 @@ from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
 from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 
 
+def host_syncs(fn) -> str:
+    """Whether one call of ``fn`` synchronizes the host with the GPU (CUDA's sync debug mode
+    raises at the first synchronizing operation); training must not, in the steady state."""
+    if bench_kernels.DEVICE == "cpu":
+        return "-"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "no host sync"
+    except RuntimeError as e:
+        return "HOST SYNC: " + str(e).splitlines()[0][:70]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def run(numel: int) -> dict:
     copy = copy_bandwidth(2 * numel)
     rows = []
@@ -52,6 +68,10 @@ def run(numel: int) -> dict:
                      "check": check})
         print(f"{name:55s} {ms:8.3f} ms {gbs:8.0f} GB/s {gbs / copy:6.1%}  {check}", flush=True)
 
+    if bench_kernels.DEVICE != "cpu":  # the sync check can fail: a read of a device value
+        control = host_syncs(lambda: int(torch.ones(1, device="cuda").sum()))
+        print(f"sync check on a device read (control): {control}")
+        assert control.startswith("HOST SYNC"), control
     dtype = torch.bfloat16
     x = random_input(numel, dtype, seed=1)
     x2d = x.view(1, -1)
@@ -64,6 +84,10 @@ def run(numel: int) -> dict:
                 ref.quantize_chunks(x2d, 8, BS, k1), "int8 stochastic")
     add("INT8 quantize, stochastic", moved,
         bench(partial(tk.quantize_chunks, x2d, 8, BS, row_keys=k1)), "bit-identical")
+    # as training calls it: keys built from the call's integers every time
+    fresh = lambda x2d=x2d: tk.quantize_chunks(  # noqa: E731
+        x2d, 8, BS, row_keys=row_keys(key, [0], device))
+    add("INT8 quantize, stochastic, keys built per call", moved, bench(fresh), host_syncs(fresh))
 
     z = 8
     kz = row_keys(key, range(z), device=device)
@@ -74,7 +98,11 @@ def run(numel: int) -> dict:
                 qref.swizzled_quantize(x, 2, 4, 4, BS, kz), "swizzled stochastic")
     add("INT4 swizzled quantize 2x4, stochastic", moved,
         bench(partial(tk.swizzled_quantize, x, 2, 4, 4, BS, row_keys=kz)), "bit-identical")
-    del x, x2d
+    fresh = lambda x=x: tk.swizzled_quantize(  # noqa: E731
+        x, 2, 4, 4, BS, row_keys=row_keys(key, range(z), device))
+    add("INT4 swizzled quantize 2x4, stochastic, keys built per call", moved, bench(fresh),
+        host_syncs(fresh))
+    del x, x2d, fresh
 
     pieces = 8
     parts = [tk.quantize_chunks(random_input(numel, dtype, seed=10 + p).view(1, -1), 4, BS)
@@ -92,6 +120,10 @@ def run(numel: int) -> dict:
     add("INT4 dequant-reduce-requant 8->1, stochastic", moved,
         bench(partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4, out_row_keys=k1)),
         "bit-identical")
+    fresh = lambda: tk.dequantize_reduce(  # noqa: E731
+        data, scales, 4, BS, numel, 4, out_row_keys=row_keys(key, [0], device))
+    add("INT4 dequant-reduce-requant 8->1, stochastic, keys built per call", moved,
+        bench(fresh), host_syncs(fresh))
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
             "numel": numel, "copy_GB/s": copy,

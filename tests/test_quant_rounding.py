@@ -238,3 +238,22 @@ def test_training_with_stochastic_rounding_reruns_bit_identical():
     assert first[0][0][0] != nearest[0][0][0] and first[0][-1] != nearest[0][-1]
     assert first[0][-1] != other[0][-1]  # the seed matters
     assert first[0][-1][0] < first[0][0][0]  # and it trains
+
+
+def test_device_keys_are_built_and_checked_without_reading_them():
+    """On CUDA, reading a device tensor's values, or a blocking host-to-device copy, is a host
+    sync per quantization (the comm stream's work would stall the host). A meta tensor has no
+    values, so it stands in for a device one: building, checking and permuting keys there must
+    not read them."""
+    from megatron_zeropp.quant.rounding import check_keys, permuted, row_keys
+
+    keys = row_keys(5, range(3), device="meta")
+    assert keys.device.type == "meta" and keys.shape == (3,)
+    assert check_keys(keys, 3) is keys
+    assert permuted(keys, [2, 0, 1]).device.type == "meta"
+    with pytest.raises(RuntimeError, match="meta"):  # the control: reading a meta value fails
+        int(keys.max())
+    # host keys are still checked by value
+    with pytest.raises(ValueError, match=r"must lie in \[0, 2\*\*32\)"):
+        check_keys(torch.tensor([2 ** 32]), 1)
+    assert torch.equal(row_keys(5, range(3)), row_keys(5, range(3), device="cpu"))

@@ -80,7 +80,19 @@ def derive_key(*parts: int) -> int:
 
 def row_keys(base: int, rows: Iterable[int], device=None) -> torch.Tensor:
     """int64 tensor of ``derive_key(base, r)`` for each row id ``r`` (values < 2**32)."""
-    return torch.tensor([derive_key(base, r) for r in rows], dtype=torch.int64, device=device)
+    keys = torch.tensor([derive_key(base, r) for r in rows], dtype=torch.int64)
+    return _to_device(keys, device)
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    # The keys change every call, so they are built on the host each time. A blocking copy
+    # would synchronize the host with the current stream (the comm stream, in training) on
+    # every quantization; cudaMemcpyAsync from pageable memory stages the bytes before it
+    # returns, so the host tensor may go at once, and the stream orders the copy before the
+    # kernel that reads it.
+    if device is None or torch.device(device) == host.device:
+        return host
+    return host.to(device, non_blocking=True)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -128,7 +140,10 @@ def check_keys(keys, rows: int) -> torch.Tensor:
     if keys.dtype != torch.int64 or keys.dim() != 1 or keys.numel() != rows:
         raise ValueError(f"row keys must be a 1-D int64 tensor of {rows} entries, got "
                          f"{keys.dtype} of shape {tuple(keys.shape)}")
-    if keys.numel() and (int(keys.min()) < 0 or int(keys.max()) > MASK32):
+    # Values are read on the host only: reading a device tensor's would be a host sync per
+    # call. Keys on a device come from row_keys, whose values are in range by construction.
+    if keys.numel() and keys.device.type == "cpu" and (
+            int(keys.min()) < 0 or int(keys.max()) > MASK32):
         raise ValueError("row keys must lie in [0, 2**32)")
     return keys
 
@@ -140,4 +155,4 @@ def key_list(keys: torch.Tensor) -> List[int]:
 
 def permuted(keys: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     """``keys`` in the given row order."""
-    return keys[torch.tensor(list(order), dtype=torch.int64, device=keys.device)]
+    return keys[_to_device(torch.tensor(list(order), dtype=torch.int64), keys.device)]

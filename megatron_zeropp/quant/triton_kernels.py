@@ -640,7 +640,8 @@ def _keys_arg(keys, rows: int, device, fallback: torch.Tensor):
     tensor is passed (never read)."""
     if keys is None:
         return fallback, False
-    return check_keys(keys, rows).to(device).contiguous(), True
+    # non_blocking: a blocking copy of host keys would be a host sync per call
+    return check_keys(keys, rows).to(device, non_blocking=True).contiguous(), True
 
 
 def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tuning,
