@@ -81,18 +81,19 @@ def derive_key(*parts: int) -> int:
 def row_keys(base: int, rows: Iterable[int], device=None) -> torch.Tensor:
     """int64 tensor of ``derive_key(base, r)`` for each row id ``r`` (values < 2**32)."""
     keys = torch.tensor([derive_key(base, r) for r in rows], dtype=torch.int64)
-    return _to_device(keys, device)
+    return to_device(keys, device)
 
 
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+def to_device(keys: torch.Tensor, device) -> torch.Tensor:
+    """``keys`` (or a row order) on ``device`` without synchronizing the host."""
     # The keys change every call, so they are built on the host each time. A blocking copy
     # would synchronize the host with the current stream (the comm stream, in training) on
     # every quantization; cudaMemcpyAsync from pageable memory stages the bytes before it
     # returns, so the host tensor may go at once, and the stream orders the copy before the
     # kernel that reads it.
-    if device is None or torch.device(device) == host.device:
-        return host
-    return host.to(device, non_blocking=True)
+    if device is None or torch.device(device) == keys.device:
+        return keys
+    return keys.to(device, non_blocking=True)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -155,4 +156,4 @@ def key_list(keys: torch.Tensor) -> List[int]:
 
 def permuted(keys: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     """``keys`` in the given row order."""
-    return keys[_to_device(torch.tensor(list(order), dtype=torch.int64), keys.device)]
+    return keys[to_device(torch.tensor(list(order), dtype=torch.int64), keys.device)]

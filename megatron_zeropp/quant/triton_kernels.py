@@ -49,7 +49,7 @@ from .reference import (
     check_float_dtype,
     quantized_sizes,
 )
-from .rounding import check_keys
+from .rounding import check_keys, to_device
 
 # (elements per program, warps per program, FAST) by kernel, from the H200 sweeps recorded in
 # docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
@@ -640,8 +640,7 @@ def _keys_arg(keys, rows: int, device, fallback: torch.Tensor):
     tensor is passed (never read)."""
     if keys is None:
         return fallback, False
-    # non_blocking: a blocking copy of host keys would be a host sync per call
-    return check_keys(keys, rows).to(device, non_blocking=True).contiguous(), True
+    return to_device(check_keys(keys, rows), device).contiguous(), True
 
 
 def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swizzle, tuning,
