@@ -41,7 +41,7 @@ def _instrumented(ctx, zeropp, ddp, steps=3, nmb=1):
     # Every unit is released after the last step except the next forward's first
     # `prefetch_depth` ones, which started gathering when the optimizer step ended.
     held = [u.name for u in wrapped.units if u.state is not UnitState.RELEASED]
-    first = [u.name for u in wrapped._forward_order[:zeropp.prefetch_depth]]
+    first = [u.name for u, _ in wrapped.first_entries()]
     in_flight = [u.name for u in wrapped.units if u.state is UnitState.GATHERING]
     wrapped.wait_for_gathers()
     after_wait = sorted({u.state.value for u in wrapped.units if u.name in held})

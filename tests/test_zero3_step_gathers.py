@@ -126,7 +126,7 @@ def _gradients(ctx, shard_grads):
                    for u in wrapped.units for i, b in enumerate(u.buckets)}
     m = sum(b.param_data.numel() for b in buckets)
     # The next step's first units start gathering when the optimizer step ends.
-    first = wrapped._forward_order[:wrapped.zeropp.prefetch_depth]
+    first = [u for u, _ in wrapped.first_entries()]
     prefetched = sum(b.param_data.numel() * b.param_data.element_size()
                      for u in first for b in u.buckets)
     return {"grads": captured, "abs": bound_terms, "memory": memory, "m": m,

@@ -37,7 +37,7 @@ def _measure(ctx, zeropp):
     counts = wrapped.comm_counts(reset=True)
     table = "\n".join(f"[{phase}]\n{c.table(unit_bytes=2 * m, unit_name='M')}"
                       for phase, c in counts.items())
-    first = wrapped._forward_order[:wrapped.zeropp.prefetch_depth]
+    first = [u for u, _ in wrapped.first_entries()]
     return {
         "m": m,
         # the next step's first units, gathering since the optimizer step ended

@@ -44,6 +44,7 @@ from megatron_zeropp.topology import ProcessGroups, Topology, build_process_grou
 
 from .config import ZeroPPConfig
 from .partition import CombinedBuffer, build_unit_buffers, find_units
+from .schedule import UnitSchedule
 from .shard_map import ShardMap
 from .sharded_state import is_sharded_load, load_sharded, model_sharded_state
 from .unit import ShardComm, ShardedUnit, UnitState
@@ -129,6 +130,10 @@ class ZeroPPDataParallel(BaseDataParallel):
         topology: the job's :class:`Topology` (node size included).
         zeropp: which ZeRO++ techniques to use (default: plain ZeRO-3).
         process_groups: this rank's groups; built from ``topology`` when omitted.
+        schedule: the :class:`UnitSchedule` shared by all model chunks of this rank (virtual
+            pipeline stages: one ZeroPPDataParallel per chunk, one schedule for all, so that
+            gathers run ahead in the order the pipeline schedule really enters the units);
+            a chunk of its own when omitted.
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         topology: Topology,
         zeropp: Optional[ZeroPPConfig] = None,
         process_groups: Optional[ProcessGroups] = None,
+        schedule: Optional[UnitSchedule] = None,
     ):
         super().__init__(config=config, module=module)
         _check_ddp_config(ddp_config)
@@ -160,8 +166,13 @@ class ZeroPPDataParallel(BaseDataParallel):
         self._sharded_metadata = None  # of the last sharded_state_dict(), for its load
         self._build_units(config, ddp_config, module, groups)
         self._hook_handles: list = []
-        self._forward_order: List[ShardedUnit] = []
-        self._order_frozen = False
+        if schedule is None:
+            schedule = UnitSchedule(zeropp.prefetch_depth)
+        elif schedule.depth != zeropp.prefetch_depth:
+            raise ValueError(f"the shared UnitSchedule prefetches {schedule.depth} entries ahead, "
+                             f"this chunk's prefetch_depth is {zeropp.prefetch_depth}")
+        self.schedule = schedule
+        self.schedule.add_chunk(self.units, self._prefetch)
         self._call_stack: Dict[int, list] = {}
         self._install_hooks()
         self.release_all()
@@ -243,28 +254,14 @@ class ZeroPPDataParallel(BaseDataParallel):
 
     # -- gather scheduling -----------------------------------------------------------------
     def _prefetch(self, unit: ShardedUnit, phase: str) -> None:
-        depth = self.zeropp.prefetch_depth
-        if depth == 0 or not self._order_frozen or unit not in self._forward_order:
-            return
-        i = self._forward_order.index(unit)
-        step = 1 if phase == "forward" else -1
-        for k in range(1, depth + 1):
-            j = i + step * k
-            if not 0 <= j < len(self._forward_order):
-                break
-            nxt = self._forward_order[j]
-            if nxt.state is UnitState.RELEASED:
-                nxt.start_gather(self.weight_version, phase, async_op=True)
+        # The schedule's call: gather ``unit`` ahead, at this chunk's weight version.
+        if unit.state is UnitState.RELEASED:
+            unit.start_gather(self.weight_version, phase, async_op=True)
 
     def _root_pre_hook(self, module, args):
         unit = self._root_to_unit[id(module)]
-        if not self._order_frozen:
-            if unit in self._forward_order:
-                self._order_frozen = True
-            else:
-                self._forward_order.append(unit)
         unit.acquire(self.weight_version, "forward")
-        self._prefetch(unit, "forward")
+        self.schedule.entered(unit, "forward")
 
     def _root_post_hook(self, module, args, output):
         unit = self._root_to_unit[id(module)]
@@ -309,7 +306,7 @@ class ZeroPPDataParallel(BaseDataParallel):
 
     def _acquire_for_backward(self, unit: ShardedUnit) -> None:
         if unit.begin_backward(self.weight_version):
-            self._prefetch(unit, "backward")
+            self.schedule.entered(unit, "backward")
 
     def _make_grad_hook(self, param):
         def hook(*unused):
@@ -360,6 +357,7 @@ class ZeroPPDataParallel(BaseDataParallel):
             unit.finish_grad_reduce()
             if self.zeropp.shard_grads:
                 unit.point_main_grads_at_shards()
+        self.schedule.end_step()
         self.release_all()
         self.comm.check_stale()
 
@@ -367,23 +365,27 @@ class ZeroPPDataParallel(BaseDataParallel):
         """The optimizer wrote new primary shards: weights of the next forward are a new
         version, and every hpZ secondary is stale until refreshed by a forward gather.
 
-        Then the first ``prefetch_depth`` units of the next forward start gathering, so the
-        link works while the host finishes the step (logging, the next batch) instead of
-        waiting for the first forward hook. ``force_sync`` (weights loaded from a checkpoint)
-        prefetches nothing."""
+        Then this chunk's units among the first ``prefetch_depth`` entries of the learned step
+        order (:class:`UnitSchedule`) start gathering, so the link works while the host
+        finishes the step (logging, the next batch) instead of waiting for the first forward
+        hook. ``force_sync`` (weights loaded from a checkpoint) prefetches nothing."""
         self.weights_changed()
-        if self._forward_order:
-            self._order_frozen = True  # a whole step ran: every forward unit was seen
-        if not force_sync and self._order_frozen:
-            for unit in self._forward_order[:self.zeropp.prefetch_depth]:
-                if unit.state is UnitState.RELEASED:
-                    unit.start_gather(self.weight_version, "forward", async_op=True)
+        if not force_sync:
+            for unit, phase in self.first_entries():
+                self._prefetch(unit, phase)
 
     def finish_param_sync(self, *unused, **kwargs):
         """Nothing to wait for: gathers happen in the forward hooks."""
 
+    def first_entries(self) -> list:
+        """``(unit, phase)`` of this chunk among the first ``prefetch_depth`` entries of the
+        learned step order: what :meth:`start_param_sync` gathers ahead (empty before a whole
+        training step ran)."""
+        return self.schedule.first_entries(self.units)
+
     def zero_grad_buffer(self):
-        """Zero the gradient buffers before a new step."""
+        """Zero the gradient buffers before a new step (which opens a step of the schedule)."""
+        self.schedule.begin_step()
         for p in self.params_with_grad:
             p.grad_added_to_main_grad = False
         for unit in self.units:
