@@ -103,14 +103,16 @@ def world_timeout() -> datetime.timedelta:
 
 
 def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                  context_parallel: int = 1, seed: int = 1234) -> None:
+                  context_parallel: int = 1, seed: int = 1234,
+                  virtual_pipeline: Optional[int] = None) -> None:
     """megatron-core's parallel state and RNG seeds, after ``init_process_group``.
 
     Applies the megatron-core patches (:func:`apply_mcore_patches`). Seeds as Megatron-LM does:
     ``seed + 100 * pipeline rank`` for Python's ``random``, numpy, torch and megatron-core's
     model-parallel RNG tracker (mandatory before building megatron-core layers). Idempotent for
     the parallel state: an already initialised one is kept. megatron-core's groups get the
-    default group's timeout (see :func:`world_timeout`).
+    default group's timeout (see :func:`world_timeout`). ``virtual_pipeline``: model chunks per
+    pipeline rank (the interleaved schedule), None without.
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mcore_tp
@@ -119,6 +121,7 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1,
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_parallel, pipeline_parallel, context_parallel_size=context_parallel,
+            virtual_pipeline_model_parallel_size=virtual_pipeline,
             distributed_timeout_minutes=world_timeout().total_seconds() / 60,
         )
     # As Megatron-LM's _set_random_seed: one stream per pipeline stage, every host generator.

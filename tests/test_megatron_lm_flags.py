@@ -49,7 +49,11 @@ def test_iteration_based_schedule_in_samples():
         (["--train-samples", "64", "--rampup-batch-size", "3", "1", "8", "--global-batch-size",
           "8"], "START and INCREMENT must be multiples of --micro-batch-size x DP = 4"),
         (["--train-iters", "5", "--num-layers-per-virtual-pipeline-stage", "1"],
-         "--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule"),
+         "2 virtual pipeline stages per rank need a pipeline: --pipeline-model-parallel-size "
+         ">= 2, got 1"),
+        (["--train-iters", "5", "--num-layers-per-virtual-pipeline-stage", "3"],
+         "--num-layers-per-virtual-pipeline-stage 3 must divide the layers of a pipeline stage "
+         "(--num-layers 2 / --pipeline-model-parallel-size 1)"),
         (["--train-iters", "5", "--fp8-param-gather"], "--fp8-param-gather: fp8 needs"),
         (["--train-iters", "5", "--async-save", "--ckpt-format", "torch"],
          "--async-save needs --ckpt-format torch_dist"),

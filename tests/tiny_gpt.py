@@ -14,28 +14,35 @@ SEQ = 16
 TINY_THRESHOLD = 1000
 
 
-def setup_megatron(tp: int, pp: int, seed: int = 1234) -> None:
-    """Patch megatron-core for CPU, build its parallel state and seed its RNG tracker."""
+def setup_megatron(tp: int, pp: int, seed: int = 1234, vp=None) -> None:
+    """Patch megatron-core for CPU, build its parallel state (``vp`` virtual pipeline stages per
+    rank) and seed its RNG tracker."""
     from megatron_zeropp.backend import init_megatron
 
-    init_megatron(tp, pp, seed=seed)
+    init_megatron(tp, pp, seed=seed, virtual_pipeline=vp)
 
 
 def tiny_config(tp: int, pp: int, layers: int = 4, hidden: int = 64, heads: int = 4,
-                dtype: torch.dtype = torch.float32, **overrides):
-    """TransformerConfig for a small GPT without dropout; sequence parallel on whenever TP > 1."""
+                dtype: torch.dtype = torch.float32, vp=None, **overrides):
+    """TransformerConfig for a small GPT without dropout; sequence parallel on whenever TP > 1.
+    ``vp``: virtual pipeline stages per rank, with Megatron-LM's p2p settings for them
+    (overlapped, unbatched sends: what lets PP 2 run the interleaved schedule)."""
     from megatron_zeropp.training.builders import gpt_transformer_config
 
     overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **overrides}
+    if vp is not None:
+        overrides = {"virtual_pipeline_model_parallel_size": vp, "overlap_p2p_comm": True,
+                     "batch_p2p_comm": False, **overrides}
     return gpt_transformer_config(layers, hidden, heads, tp=tp, pp=pp, sequence_parallel=tp > 1,
                                   dtype=dtype, **overrides)
 
 
-def build_model(config, vocab: int = VOCAB, seq: int = SEQ):
-    """This pipeline stage's GPTModel (local layer spec), wrapped in Float16Module for bf16/fp16."""
+def build_model(config, vocab: int = VOCAB, seq: int = SEQ, vp_stage=None):
+    """This pipeline stage's GPTModel (local layer spec), wrapped in Float16Module for bf16/fp16
+    (``vp_stage``: which of the rank's virtual stages)."""
     from megatron_zeropp.training.builders import gpt_model
 
-    return gpt_model(config, vocab, seq)
+    return gpt_model(config, vocab, seq, vp_stage=vp_stage)
 
 
 def global_batches(steps: int, global_batch: int, seed: int = 0, vocab: int = VOCAB,
@@ -72,13 +79,18 @@ def microbatches(batch: torch.Tensor, dp_rank: int, dp_size: int,
         }
 
 
-def megatron_ddp(model, config, **ddp_overrides):
-    """Megatron-core's own DDP with the distributed optimizer's buffers."""
+def megatron_ddp(model, config, chunk_index: int = 0, **ddp_overrides):
+    """Megatron-core's own DDP with the distributed optimizer's buffers, wrapped as Megatron-LM's
+    get_model wraps chunk ``chunk_index`` of a rank (bucketing off after the first)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_zeropp.mcore.buffers import ddp_layout_kwargs
 
     ddp_kwargs = dict(use_distributed_optimizer=True)
     ddp_kwargs.update(ddp_overrides)
-    return DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model)
+    ddp = DistributedDataParallelConfig(**ddp_kwargs)
+    return DistributedDataParallel(config, ddp, model, disable_bucketing=chunk_index > 0,
+                                   **ddp_layout_kwargs(model, ddp, chunk_index))
 
 
 def optimizer_config(dtype: torch.dtype = torch.float32, **overrides):
@@ -90,11 +102,11 @@ def optimizer_config(dtype: torch.dtype = torch.float32, **overrides):
     return adam_config(kwargs.pop("lr", 1e-3), dtype=dtype, **kwargs)
 
 
-def wire_schedule_hooks(config, ddp_model, optimizer=None) -> None:
+def wire_schedule_hooks(config, chunks, optimizer=None, **kwargs) -> None:
     """The hooks megatron-core's schedules call (Megatron-LM's training.py sets the same)."""
     from megatron_zeropp.training.builders import wire_schedule_hooks as wire
 
-    wire(config, ddp_model, optimizer)
+    wire(config, chunks, optimizer, **kwargs)
 
 
 def groups():

@@ -72,6 +72,17 @@ class StepCounts:
     """Bytes per ``(protocol, locality)`` derived from the tensors handed to
     ``torch.distributed`` (see "Counted at the call" in the module docstring)."""
 
+    @staticmethod
+    def combined(counts: "Sequence[StepCounts]") -> "StepCounts":
+        """The sum of several counts (e.g. of a rank's model chunks in one step)."""
+        out: Dict[str, dict] = {"bytes_by_key": {}, "calls": {}, "handed_by_key": {}}
+        for c in counts:
+            for name, table in (("bytes_by_key", c.bytes_by_key), ("calls", c.calls),
+                                ("handed_by_key", c.handed_by_key)):
+                for key, n in table.items():
+                    out[name][key] = out[name].get(key, 0) + n
+        return StepCounts(**out)
+
     def handed_total(self, protocol: Optional[str] = None,
                      locality: Optional[str] = None) -> float:
         """Sum of handed bytes over the keys matching the given filters."""

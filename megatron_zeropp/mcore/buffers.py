@@ -81,13 +81,14 @@ def bucket_view(bucket, offset: int, bucket_id: int,
     return _ParamAndGradBucket(*args, param_index_map, [])
 
 
-def ddp_layout_kwargs(module, ddp_config) -> dict:
+def ddp_layout_kwargs(module, ddp_config, chunk_index: int = 0) -> dict:
     """Extra arguments for megatron-core's own ``DistributedDataParallel`` (``--data-parallel-impl
-    megatron``), as Megatron-LM's ``get_model`` passes them: 0.19 wants the distributed
-    optimizer's layout computed by the caller (it computes one itself, with a warning, when not
-    given one), with Megatron-LM core_v0.19.0's bucket size (``resolve_ddp_bucket_size``: the
-    configured one or max(40M, 1M x DP), none without overlap or off the first pipeline stage);
-    0.16.1 takes none. Checked: 0.16.1, 0.19.1."""
+    megatron``), as Megatron-LM's ``get_model`` passes them for the rank's chunk
+    ``chunk_index``: 0.19 wants the distributed optimizer's layout computed by the caller (it
+    computes one itself, with a warning, when not given one), with Megatron-LM core_v0.19.0's
+    bucket size (``resolve_ddp_bucket_size``: the configured one or max(40M, 1M x DP), none
+    without overlap, off the first pipeline stage or after the first chunk); 0.16.1 takes none.
+    Checked: 0.16.1, 0.19.1."""
     if not at_least(0, 17) or not ddp_config.use_distributed_optimizer:
         return {}
     from megatron.core import parallel_state
@@ -95,7 +96,8 @@ def ddp_layout_kwargs(module, ddp_config) -> dict:
 
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     bucket_size = ddp_config.bucket_size or max(40000000, 1000000 * dp_size)
-    if not ddp_config.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank():
+    if not ddp_config.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank() \
+            or chunk_index > 0:
         bucket_size = None
     params = [p for p in module.parameters() if p.requires_grad]
     return {"full_param_layout": DistributedOptimizer.compute_full_param_layout(

@@ -2,5 +2,6 @@
 
 from .config import ZeroPPConfig
 from .data_parallel import ZeroPPDataParallel
+from .schedule import UnitSchedule
 
-__all__ = ["ZeroPPConfig", "ZeroPPDataParallel"]
+__all__ = ["UnitSchedule", "ZeroPPConfig", "ZeroPPDataParallel"]

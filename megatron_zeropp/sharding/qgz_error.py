@@ -71,10 +71,11 @@ class QgzErrorMeter:
         return list(self._sums)
 
     def report(self, keys: List[str], group) -> Optional[dict]:
-        """``{"units": {key: rel_err}, "total": rel_err}`` over the DP ``group`` (a collective:
-        every rank of the group calls it with the same ``keys``); ``None`` if no key was
-        measured. A unit whose exact gradient is zero reports 0.0 (its qgZ result is zero too:
-        zeros quantize to zero)."""
+        """``{"units": {key: rel_err}, "total": rel_err, "sums": (err^2, exact^2)}`` over the
+        DP ``group`` (a collective: every rank of the group calls it with the same ``keys``);
+        ``None`` if no key was measured. A unit whose exact gradient is zero reports 0.0 (its
+        qgZ result is zero too: zeros quantize to zero). ``sums`` lets reports of several model
+        chunks be combined (:func:`combined_report`)."""
         keys = [k for k in keys if k in self._sums]
         if not keys:
             return None
@@ -87,8 +88,22 @@ class QgzErrorMeter:
         values = sums.cpu().tolist()
         self.reset()
         units = {k: _ratio(err, ref) for k, (err, ref) in zip(keys, values)}
-        total = _ratio(sum(v[0] for v in values), sum(v[1] for v in values))
-        return {"units": units, "total": total}
+        sums = (sum(v[0] for v in values), sum(v[1] for v in values))
+        return {"units": units, "total": _ratio(*sums), "sums": sums}
+
+
+def combined_report(reports: List[Optional[dict]]) -> Optional[dict]:
+    """One report for a rank's model chunks (virtual pipeline stages): each chunk's units under
+    ``chunk<i>/`` (when there are several), the total over all of them; ``None`` if no chunk
+    measured anything."""
+    present = [(i, r) for i, r in enumerate(reports) if r is not None]
+    if not present:
+        return None
+    if len(reports) == 1:
+        return present[0][1]
+    units = {f"chunk{i}/{k}": v for i, r in present for k, v in r["units"].items()}
+    sums = (sum(r["sums"][0] for _, r in present), sum(r["sums"][1] for _, r in present))
+    return {"units": units, "total": _ratio(*sums), "sums": sums}
 
 
 def _ratio(err2: float, ref2: float) -> float:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_zeropp.sharding.config_flags import add_zeropp_flags, config_from_args
 
-from . import arg_checks, megatron_lm_flags, megatron_lm_rules, safety_flags
+from . import arg_checks, megatron_lm_flags, megatron_lm_rules, safety_flags, virtual_pipeline
 from .profiling import add_profile_args, validate_profile_args
 
 
@@ -277,6 +277,7 @@ def validate(args, world_size: int) -> List[str]:
     args.split = args.split.strip("'\"")  # Megatron-LM's llama script passes "'99,1,0'"
     megatron_lm_rules.validate(args, (tp, pp, dp // cp), errors, notes)
     megatron_lm_flags.validate(args, world_size, dp, errors, notes)
+    virtual_pipeline.validate(args, dp, errors)
     if args.train_iters is None and args.train_samples is not None and not errors:
         args.train_iters = megatron_lm_flags.iterations_for_samples(args)
     if args.train_iters is not None:

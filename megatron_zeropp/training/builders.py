@@ -75,13 +75,17 @@ def gpt_model(
     transformer_engine: bool = False,
     normalization: str = "LayerNorm",
     on_host: bool = False,
+    vp_stage: Optional[int] = None,
     **gpt_kwargs,
 ):
     """This pipeline stage's GPTModel, on the current device, Float16Module-wrapped for bf16/fp16.
 
-    ``on_host`` leaves it in host memory (built with ``use_cpu_initialization``), for the ZeRO++
-    layer to move unit by unit. ``gpt_kwargs`` go to GPTModel (position embedding type, rotary
-    settings, tied embeddings).
+    ``vp_stage``: which of this rank's virtual pipeline stages (model chunks) to build, with
+    virtual stages (``config.virtual_pipeline_model_parallel_size``); it decides whether the
+    chunk holds the embedding (first stage's chunk 0) and the output layer (last stage's last
+    chunk), and which layers it holds. ``on_host`` leaves it in host memory (built with
+    ``use_cpu_initialization``), for the ZeRO++ layer to move unit by unit. ``gpt_kwargs`` go to
+    GPTModel (position embedding type, rotary settings, tied embeddings).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -100,8 +104,16 @@ def gpt_model(
             from .zero_centered_norm import zero_centered_layer_spec
 
             spec = zero_centered_layer_spec(spec, config)
-    gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage())
-    gpt_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage())
+    virtual = config.virtual_pipeline_model_parallel_size is not None
+    if virtual != (vp_stage is not None):
+        raise ValueError(f"vp_stage {vp_stage} with virtual_pipeline_model_parallel_size "
+                         f"{config.virtual_pipeline_model_parallel_size}: give both or neither")
+    if virtual:
+        gpt_kwargs["vp_stage"] = vp_stage
+    gpt_kwargs.setdefault("pre_process", parallel_state.is_pipeline_first_stage(
+        ignore_virtual=not virtual, vp_stage=vp_stage))
+    gpt_kwargs.setdefault("post_process", parallel_state.is_pipeline_last_stage(
+        ignore_virtual=not virtual, vp_stage=vp_stage))
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -149,8 +161,16 @@ def adam_config(
     return OptimizerConfig(**kwargs)
 
 
-def wire_schedule_hooks(config, wrapped, optimizer=None) -> None:
+def wire_schedule_hooks(config, chunks, optimizer=None, *, grad_sync: bool = False,
+                        param_sync: bool = False) -> None:
     """The hooks megatron-core's schedules call, set as Megatron-LM's training.py sets them.
+
+    ``chunks``: the data-parallel model chunk, or the list of this rank's chunks (virtual
+    pipeline stages; then each hook is a list, one entry per chunk, as the interleaved schedule
+    expects). ``grad_sync`` (``--overlap-grad-reduce`` with ``--align-grad-reduce``, Megatron-LM's
+    default) hands the schedule each chunk's ``start_grad_sync``, which it calls once a chunk's
+    last backward is done; ``param_sync`` (megatron-core's DDP with ``--overlap-param-gather``
+    and virtual stages) each chunk's ``start_param_sync``.
 
     ``grad_scale_func`` multiplies each micro-batch's loss by the optimizer's loss scale before
     backward; without it an fp16 optimizer unscales gradients that were never scaled (2^-32 of
@@ -159,7 +179,15 @@ def wire_schedule_hooks(config, wrapped, optimizer=None) -> None:
     """
     from megatron.core.distributed import finalize_model_grads
 
-    config.no_sync_func = wrapped.no_sync
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+    def per_chunk(name):
+        hooks = [getattr(c, name) for c in chunks]
+        return hooks[0] if len(hooks) == 1 else hooks
+
+    config.no_sync_func = per_chunk("no_sync")
+    config.grad_sync_func = per_chunk("start_grad_sync") if grad_sync else None
+    config.param_sync_func = per_chunk("start_param_sync") if param_sync else None
     config.finalize_model_grads_func = finalize_model_grads
     if optimizer is not None:
         config.grad_scale_func = optimizer.scale_loss

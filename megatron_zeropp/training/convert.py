@@ -34,11 +34,10 @@ from megatron_zeropp.topology import build_topology
 from .arguments import parse_args
 from .megatron_lm_flags import CHECKPOINT_ARGS
 from .model import (
-    build_gpt,
+    build_model_chunks,
     build_optimizer,
     num_floating_point_operations,
     transformer_config,
-    wrap_data_parallel,
 )
 
 FORMATS = ("torch", "torch_dist")
@@ -121,14 +120,14 @@ def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] =
                          "torch_dist first, then to another TP/PP")
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size, args.seed)
+                  args.context_parallel_size, args.seed,
+                  virtual_pipeline=args.virtual_pipeline_model_parallel_size)
     world = dist.get_world_size()
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size,
                               ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     config = transformer_config(args)
-    chunks = [wrap_data_parallel(args, config, build_gpt(args, config, args.padded_vocab_size),
-                                 topology)]
+    chunks = build_model_chunks(args, config, topology)
     optimizer, scheduler = build_optimizer(args, chunks)
     load = (checkpoint_dist if source == "torch_dist" else checkpoint).load_checkpoint
     has_optim = not stored.get("no_save_optim", False)

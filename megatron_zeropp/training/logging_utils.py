@@ -9,16 +9,15 @@ from typing import Dict, Optional
 import torch
 
 
-def persistent_memory_line(model) -> str:
+def persistent_memory_line(layer_bytes: Optional[Dict[str, int]]) -> str:
     """What one rank keeps between steps: the device allocator's live bytes on CUDA; on CPU the
-    ZeRO++ layer's live storages (primary, secondary, gradients; megatron-core's DDP reports
-    none there)."""
+    ZeRO++ layer's live storages (``layer_bytes``: primary, secondary, gradients over the
+    rank's chunks; None for megatron-core's DDP, which reports none there)."""
     if torch.cuda.is_available():
         return (f"> persistent memory after the first step: "
                 f"{torch.cuda.memory_allocated() / 1e9:.3f} GB allocated (device allocator)")
-    if hasattr(model, "memory_bytes"):
-        mem = model.memory_bytes()
-        parts = ", ".join(f"{k} {v / 1e9:.4f}" for k, v in mem.items())
+    if layer_bytes is not None:
+        parts = ", ".join(f"{k} {v / 1e9:.4f}" for k, v in layer_bytes.items())
         return f"> persistent memory after the first step (GB, live storages): {parts}"
     return "> persistent memory after the first step: not measured on CPU for this layer"
 

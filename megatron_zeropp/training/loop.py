@@ -22,6 +22,7 @@ from megatron_zeropp.errors import StartupError
 from megatron_zeropp.topology import build_topology
 from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
+from . import model_chunks as layer
 from .arguments import parse_args, print_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
 from .gpt_step import eval_step, mean_of, train_step
@@ -34,11 +35,10 @@ from .logging_utils import (
 )
 from .megatron_lm_flags import apply_checkpoint_args
 from .model import (
-    build_gpt,
+    build_model_chunks,
     build_optimizer,
     num_floating_point_operations,
     transformer_config,
-    wrap_data_parallel,
 )
 from .nan_check import check_finite
 from .profiling import IterationProfiler
@@ -138,12 +138,16 @@ def _check_data_files(args, tokenizer_args) -> None:
         check_data_files(prefixes, build_tokenizer(**tokenizer_args).vocab_size)
 
 
-def _batches(dataset, args, dp_rank, dp_size, consumed, device):
+def _batches(dataset, args, dp_rank, dp_size, consumed, device, chunks: int = 1):
+    """This DP rank's micro-batches from sample ``consumed`` on; with several model chunks
+    (virtual pipeline stages) a list of ``chunks`` iterators over the same micro-batches, one
+    per chunk, as megatron-core's interleaved schedule takes them."""
     from megatron_zeropp.data.batches import make_batch_iterator
 
-    it = make_batch_iterator(dataset, args.global_batch_size, args.micro_batch_size,
-                             dp_rank, dp_size, consumed)
-    return _to_device(it, device)
+    its = [_to_device(make_batch_iterator(dataset, args.global_batch_size,
+                                          args.micro_batch_size, dp_rank, dp_size, consumed),
+                      device) for _ in range(chunks)]
+    return its[0] if chunks == 1 else its
 
 
 def _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb, device):
@@ -155,7 +159,8 @@ def _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb,
         return None
     dp = ps.get_data_parallel_world_size()
     start = start_batch * args.eval_iters * args.global_batch_size
-    it = _batches(dataset, args, ps.get_data_parallel_rank(), dp, max(start, 0), device)
+    it = _batches(dataset, args, ps.get_data_parallel_rank(), dp, max(start, 0), device,
+                  len(model_chunks))
     for chunk in model_chunks:
         chunk.eval()
     # [loss sum, tokens] added up over the eval iterations and divided once, as Megatron-LM's
@@ -276,7 +281,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
 
     world, rank = dist.get_world_size(), dist.get_rank()
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size, args.seed)
+                  args.context_parallel_size, args.seed,
+                  virtual_pipeline=args.virtual_pipeline_model_parallel_size)
     warm_up_as_megatron_lm(args, args.tensor_model_parallel_size, default_device())
     rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topology = build_topology(world, args.tensor_model_parallel_size,
@@ -298,13 +304,10 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         if fallback_summary():
             print(fallback_summary(), flush=True)
     config = transformer_config(args)
-    model = wrap_data_parallel(args, config, build_gpt(args, config, args.padded_vocab_size),
-                               topology)
-    chunks = [model]
+    chunks = build_model_chunks(args, config, topology)
     optimizer, scheduler = build_optimizer(args, chunks)
-    if rank == 0 and hasattr(model, "zeropp"):
-        print(f"> data-parallel layer: {model.zeropp.describe()}, {len(model.units)} units",
-              flush=True)
+    if rank == 0 and layer.describe(chunks) is not None:
+        print(f"> data-parallel layer: {layer.describe(chunks)}", flush=True)
     iteration, consumed = _load(args, load_iteration, chunks, optimizer, scheduler)
     if on_iteration is not None and iteration:
         on_iteration(iteration, chunks, optimizer)
@@ -318,7 +321,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     # just more such steps, in the same sample order as a constant one.
     train_it = _batches(train_ds, argparse.Namespace(
         global_batch_size=ramp.per_step, micro_batch_size=args.micro_batch_size),
-        dp_rank, dp_size, consumed, device)
+        dp_rank, dp_size, consumed, device, len(chunks))
     board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None, args)
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
                "final_val_loss": [], "test_loss": [], "qgz_error": []}
@@ -329,8 +332,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     # (on an exception the handlers stay: the process is ending)
     signals = SignalExit(args.exit_signal_handler)
     evals_done = iteration // args.eval_interval
-    if hasattr(model, "comm_counts"):
-        model.comm_counts(reset=True)
+    layer.comm_counts(chunks, reset=True)
     profiler = IterationProfiler(args, rank)
     if args.skip_train:
         # Megatron-LM's --skip-train: evaluate the loaded weights and stop; its validation
@@ -339,8 +341,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         evals_done = 0
     while iteration < args.train_iters and not args.skip_train:
         profiler.before_iteration(iteration)
-        if hasattr(model, "set_training_progress"):
-            model.set_training_progress(iteration, args.train_iters)
+        layer.set_training_progress(chunks, iteration, args.train_iters)
         batch = ramp.global_batch(consumed)
         start = time.perf_counter()
         result = train_step(chunks, optimizer, train_it, batch // ramp.per_step, args.seq_length,
@@ -360,7 +361,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                          dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += batch
         # A collective on measured iterations (every DP rank), nothing on the others.
-        qgz_error = model.qgz_error_report() if hasattr(model, "qgz_error_report") else None
+        qgz_error = layer.qgz_error_report(chunks)
         if qgz_error is not None:
             history["qgz_error"].append((iteration, qgz_error["total"]))
             if rank == 0 and args.zeropp_qgz_error_log:
@@ -375,12 +376,13 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
             stats.loss_count += 1
         elif not numpy.isfinite(result.loss):
             stats.nan += 1
-        if hasattr(model, "comm_counts"):
-            stats.add_bytes(model.comm_counts(reset=True))
+        counts = layer.comm_counts(chunks, reset=True)
+        if counts is not None:
+            stats.add_bytes(counts)
         if len(history["iterations"]) == 0:
             # After the first step every persistent tensor exists (Adam's moments are created
             # lazily by it) and every transient one is freed: what stays is what a step keeps.
-            _log(persistent_memory_line(model))
+            _log(persistent_memory_line(layer.memory_bytes(chunks)))
         for key, value in (("loss", result.loss), ("grad_norm", result.grad_norm),
                            ("skipped", result.skipped)):
             history[key].append(value)
@@ -412,8 +414,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
             val = _evaluate(chunks, args, valid_ds, dp_group, pp_group, evals_done, nmb, device)
             evals_done += 1
             collector.eval_boundary()
-            if hasattr(model, "comm_counts"):
-                model.comm_counts(reset=True)  # evaluation traffic is not training traffic
+            layer.comm_counts(chunks, reset=True)  # evaluation traffic is not training traffic
             if val is not None:
                 history["val_loss"].append((iteration, val))
                 board.validation(iteration, consumed, val)

@@ -128,10 +128,6 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
         errors.append(f"--fp8-format {args.fp8_format}: {_fp8_reason()}")
     elif args.fp8_param_gather:
         errors.append(f"--fp8-param-gather: {_fp8_reason()}")
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        errors.append("--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule "
-                      "needs several model chunks per rank, which this loop and the ZeRO++ layer "
-                      "(one unit list per chunk) do not build; use a plain pipeline")
     te = bool(importlib.util.find_spec("transformer_engine")) and args.transformer_impl != "local"
     if args.attention_backend not in ("auto", "local") and not te:
         errors.append(f"--attention-backend {args.attention_backend}: needs Transformer Engine's "

@@ -95,6 +95,16 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("lr_wsd_decay_*", HONOURED, "model: OptimizerParamScheduler (--lr-decay-style WSD)"),
     ("vocab_extra_ids", HONOURED, _vocab_extra_ids),
     ("padded_vocab_size", HONOURED, "loop: the embedding's rows, as given"),
+    ("num_virtual_stages_per_pipeline_rank", HONOURED, "virtual_pipeline: model chunks per "
+                                                       "pipeline rank (interleaved schedule)"),
+    ("overlap_p2p_comm", HONOURED, "virtual_pipeline: with virtual stages (batched p2p "
+                                   "otherwise), as Megatron-LM"),
+    ("microbatch_group_size_per_vp_stage", CONFIG, None),
+    ("overlap_p2p_comm_warmup_flush", CONFIG, None),
+    ("align_grad_reduce", HONOURED, "model: each chunk's start_grad_sync handed to the schedule "
+                                    "with --overlap-grad-reduce"),
+    ("align_param_gather", HONOURED, "model: megatron-core DDP's start_param_sync handed to the "
+                                     "interleaved schedule with --overlap-param-gather"),
     ("skip_train", HONOURED, "loop: no training; validation from its first sample, then test "
                              "(implies --no-load-optim)"),
     ("num_distributed_optimizer_instances", REFUSED,
@@ -193,8 +203,6 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("decoder_first_pipeline_num_layers", REFUSED, "uneven pipeline stages are not built here"),
     ("decoder_last_pipeline_num_layers", REFUSED, "uneven pipeline stages are not built here"),
     ("pipeline_model_parallel_layout", REFUSED, "custom pipeline layouts are not built here"),
-    ("num_virtual_stages_per_pipeline_rank", REFUSED, "the interleaved pipeline schedule is not "
-                                                      "built here"),
     ("model_parallel_size", REFUSED, "Megatron-LM also refuses it: use "
                                      "--tensor-model-parallel-size"),
     ("cp_comm_type", REFUSED, "context-parallel communication other than p2p is not wired in"),

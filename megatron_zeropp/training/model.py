@@ -10,6 +10,7 @@ from .arguments import params_dtype, zeropp_config
 from .builders import adam_config, gpt_model, gpt_transformer_config, wire_schedule_hooks
 from .megatron_lm_flags import lr_schedule_steps
 from .megatron_lm_rules import transformer_overrides
+from .virtual_pipeline import transformer_fields
 
 
 def use_transformer_engine(args) -> bool:
@@ -59,11 +60,13 @@ def transformer_config(args):
         # Megatron-LM's TransformerConfig flags this project passes through (--qk-layernorm,
         # --no-masked-softmax-fusion, ...: the CONFIG and FUSION rules of megatron_lm_rules).
         **transformer_overrides(args),
+        **transformer_fields(args),
     )
 
 
-def build_gpt(args, config, vocab_size: int):
-    """This pipeline stage's GPTModel (Float16Module-wrapped for bf16/fp16), on the device."""
+def build_gpt(args, config, vocab_size: int, vp_stage=None):
+    """This pipeline stage's GPTModel (Float16Module-wrapped for bf16/fp16), on the device
+    (``vp_stage``: which of the rank's virtual stages, with virtual stages)."""
     return gpt_model(
         config,
         vocab_size,
@@ -76,6 +79,7 @@ def build_gpt(args, config, vocab_size: int):
         rotary_percent=args.rotary_percent,
         # The ZeRO++ layer moves a host-built model to the GPU unit by unit (sharding/).
         on_host=args.use_cpu_initialization and args.data_parallel_impl == "zeropp",
+        vp_stage=vp_stage,
     )
 
 
@@ -89,27 +93,39 @@ def ddp_config(args):
         # The ZeRO++ layer gathers weights itself (with prefetch); megatron-core's own DDP needs
         # this flag for its forward pre-hooks.
         overlap_param_gather=args.overlap_param_gather and args.data_parallel_impl == "megatron",
+        align_param_gather=args.align_param_gather and args.data_parallel_impl == "megatron",
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
     )
 
 
-def wrap_data_parallel(args, config, model, topology, process_groups=None):
-    """Our ZeRO++ layer, or megatron-core's DDP with ``--data-parallel-impl megatron``."""
+def build_model_chunks(args, config, topology, process_groups=None) -> list:
+    """This rank's model chunks, data-parallel-wrapped: one per virtual pipeline stage (one
+    without virtual stages), built and wrapped as Megatron-LM's ``get_model`` builds them."""
+    vp = args.virtual_pipeline_model_parallel_size
+    stages = [None] if vp is None else list(range(vp))
+    modules = [build_gpt(args, config, args.padded_vocab_size, s) for s in stages]
+    return wrap_data_parallel(args, config, modules, topology, process_groups)
+
+
+def wrap_data_parallel(args, config, modules, topology, process_groups=None) -> list:
+    """Our ZeRO++ layer around each of ``modules`` (the rank's chunks, which share one
+    :class:`~megatron_zeropp.sharding.UnitSchedule`), or megatron-core's DDP with
+    ``--data-parallel-impl megatron`` (bucketing off after the first chunk, as Megatron-LM)."""
     from megatron.core.distributed import DistributedDataParallel
 
+    ddp = ddp_config(args)
     if args.data_parallel_impl == "megatron":
         from megatron_zeropp.mcore.buffers import ddp_layout_kwargs
 
-        ddp = ddp_config(args)
-        wrapped = DistributedDataParallel(config, ddp, model, **ddp_layout_kwargs(model, ddp))
-    else:
-        from megatron_zeropp.sharding import ZeroPPDataParallel
+        return [DistributedDataParallel(config, ddp, m, disable_bucketing=i > 0,
+                                        **ddp_layout_kwargs(m, ddp, i))
+                for i, m in enumerate(modules)]
+    from megatron_zeropp.sharding import UnitSchedule, ZeroPPDataParallel
 
-        wrapped = ZeroPPDataParallel(
-            config, ddp_config(args), model, topology, zeropp_config(args), process_groups
-        )
-    wire_schedule_hooks(config, wrapped)
-    return wrapped
+    zeropp = zeropp_config(args)
+    schedule = UnitSchedule(zeropp.prefetch_depth)
+    return [ZeroPPDataParallel(config, ddp, m, topology, zeropp, process_groups, schedule)
+            for m in modules]
 
 
 def optimizer_config(args):
@@ -149,7 +165,11 @@ def build_optimizer(args, model_chunks):
     from megatron.core.utils import get_model_config
 
     # After the optimizer exists, as Megatron-LM's train() does: fp16 needs the loss scaled.
-    wire_schedule_hooks(get_model_config(model_chunks[0]), model_chunks[0], optimizer)
+    wire_schedule_hooks(
+        get_model_config(model_chunks[0]), model_chunks, optimizer,
+        grad_sync=args.overlap_grad_reduce and args.align_grad_reduce,
+        param_sync=args.data_parallel_impl == "megatron" and args.overlap_param_gather
+        and args.align_param_gather)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
