@@ -100,7 +100,8 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("overlap_p2p_comm", HONOURED, "virtual_pipeline: with virtual stages (batched p2p "
                                    "otherwise), as Megatron-LM"),
     ("microbatch_group_size_per_vp_stage", CONFIG, None),
-    ("overlap_p2p_comm_warmup_flush", CONFIG, None),
+    ("overlap_p2p_comm_warmup_flush", HONOURED, "virtual_pipeline: with virtual stages and "
+                                                "overlapped p2p"),
     ("align_grad_reduce", HONOURED, "model: each chunk's start_grad_sync handed to the schedule "
                                     "with --overlap-grad-reduce"),
     ("align_param_gather", HONOURED, "model: megatron-core DDP's start_param_sync handed to the "

@@ -63,6 +63,12 @@ def validate(args, dp: int, errors: List[str]) -> None:
     if vp is None:
         args.overlap_p2p_comm = False
         args.align_param_gather = False
+    if args.overlap_p2p_comm_warmup_flush and not args.overlap_p2p_comm:
+        # megatron-core's TransformerConfig raises it (a traceback on every rank otherwise)
+        errors.append("--overlap-p2p-communication-warmup-flush needs virtual pipeline stages "
+                      "with overlapped point-to-point communication (no "
+                      "--no-overlap-p2p-communication)")
+    if vp is None:
         return
     if pp < 2:
         errors.append(f"{vp} virtual pipeline stages per rank need a pipeline: "
@@ -106,4 +112,5 @@ def transformer_fields(args) -> dict:
     these flags."""
     overlap = bool(args.overlap_p2p_comm)
     return {"virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
-            "overlap_p2p_comm": overlap, "batch_p2p_comm": not overlap}
+            "overlap_p2p_comm": overlap, "batch_p2p_comm": not overlap,
+            "overlap_p2p_comm_warmup_flush": bool(args.overlap_p2p_comm_warmup_flush)}
