@@ -208,6 +208,9 @@ def model_config(args) -> Dict[str, object]:
         "--disable-bias-linear": args.disable_bias_linear,
         "--tensor-model-parallel-size": args.tensor_model_parallel_size,
         "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+        # model chunks per pipeline rank (None: no virtual stages); Megatron-LM's name for it
+        "virtual pipeline stages per rank": getattr(args, "virtual_pipeline_model_parallel_size",
+                                                    None),
         "dtype": dtype,
     }
 
@@ -218,13 +221,15 @@ def write_model_config(directory: str, config: Dict[str, object]) -> None:
         json.dump(config, f, indent=1, sort_keys=True)
 
 
-LAYOUT_KEYS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size")
+LAYOUT_KEYS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+               "virtual pipeline stages per rank")
 
 
 def check_model_config(load: str, iteration: int, current: Dict[str, object],
                        layout_free: bool = False) -> None:
     """Raise listing every field where the checkpoint's model differs from this run's
-    (``layout_free``: TP/PP may differ, as torch_dist checkpoints reshard)."""
+    (``layout_free``: TP/PP and virtual stages may differ, as torch_dist checkpoints
+    reshard)."""
     path = os.path.join(_iteration_dir(load, iteration), MODEL_CONFIG)
     if os.path.exists(path):
         try:

@@ -83,6 +83,10 @@ def _argv(stored: dict, to: str, tp: Optional[int], pp: Optional[int]) -> List[s
     argv += flag("tensor_model_parallel_size", tp or stored.get("tensor_model_parallel_size", 1))
     argv += flag("pipeline_model_parallel_size",
                  pp or stored.get("pipeline_model_parallel_size", 1))
+    if stored.get("virtual_pipeline_model_parallel_size") and pp is None:
+        # the stored chunks per rank (a torch-format checkpoint holds one entry per chunk)
+        argv += flag("num_virtual_stages_per_pipeline_rank",
+                     stored["virtual_pipeline_model_parallel_size"])
     for precision in ("bf16", "fp16"):
         if stored.get(precision):
             argv.append(f"--{precision}")
