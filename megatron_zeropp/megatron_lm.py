@@ -28,6 +28,7 @@ from megatron_zeropp.sharding.config import ZeroPPConfig
 from megatron_zeropp.sharding.config_flags import PREFIX, add_zeropp_flags, config_from_args
 from megatron_zeropp.sharding.config_flags import flag as _flag
 from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
+from megatron_zeropp.sharding.schedule import UnitSchedule
 
 SWITCHES = ("qwz", "hpz", "qgz", "shard_grads")
 """ZeroPPConfig fields that, set, ask for the layer (besides ``--zeropp-zero3``)."""
@@ -115,8 +116,6 @@ def _refusals(args) -> List[str]:
     refuse(getattr(args, "ckpt_format", "torch_dist") != "torch_dist",
            f"--ckpt-format {getattr(args, 'ckpt_format', None)}: the layer and its optimizer "
            f"checkpoint through megatron-core's sharded_state_dict (torch_dist) only")
-    refuse(getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
-           "virtual (interleaved) pipeline stages are not validated with the layer")
     refuse(getattr(args, "save_wgrads_interval", None) is not None,
            "--save-wgrads-interval all-reduces full gradients (force_all_reduce); the layer "
            "keeps reduced gradient shards only")
@@ -220,7 +219,9 @@ def data_parallel(args=None, write=print) -> Callable:
     ``args``: Megatron-LM's arguments (default: its global ones; none set: DDP). The
     topology comes from torch.distributed and megatron-core's parallel state (ranks per node
     from :func:`ranks_per_node`); the process groups are built once, at the first chunk, reusing
-    megatron-core's data-parallel (with context-parallel) group. ``disable_bucketing``,
+    megatron-core's data-parallel (with context-parallel) group, and so is the
+    :class:`~megatron_zeropp.sharding.UnitSchedule` the chunks of a rank share (virtual
+    pipeline stages: get_model wraps each chunk through the same factory). ``disable_bucketing``,
     ``full_param_layout`` (core_v0.19.0) and ``pg_collection`` are accepted and ignored: the
     layer buckets per unit and reads its groups from the topology.
     """
@@ -255,13 +256,14 @@ def data_parallel(args=None, write=print) -> Callable:
             state["topology"] = topology
             state["groups"] = build_process_groups(topology, zero_config.hpz_partition_size,
                                                    dp_group=dp_group)
+            state["schedule"] = UnitSchedule(zero_config.prefetch_depth)
         if ddp_config.overlap_param_gather:
             ddp_config = dataclasses.replace(ddp_config, overlap_param_gather=False)
             if dist.get_rank() == 0:
                 write("> ZeRO++ note: overlap_param_gather off (the layer gathers weights "
                       "itself, with prefetch)", flush=True)
         return MegatronLMZeroPP(config, ddp_config, module, state["topology"], zero_config,
-                                state["groups"])
+                                state["groups"], state["schedule"])
 
     return make
 

@@ -232,7 +232,6 @@ def test_check_args_notes_what_it_turns_off(monkeypatch):
     ("num_distributed_optimizer_instances", 2, "--num-distributed-optimizer-instances 2"),
     ("optimizer", "sgd", "--optimizer sgd"),
     ("ckpt_format", "torch", "--ckpt-format torch:"),
-    ("virtual_pipeline_model_parallel_size", 2, "virtual (interleaved) pipeline"),
     ("save_wgrads_interval", 10, "--save-wgrads-interval"),
     ("log_params_norm", True, "--log-params-norm"),
     ("check_weight_hash_across_dp_replicas_interval", 5, "weights are sharded"),
@@ -366,3 +365,43 @@ def test_factory_builds_the_layer_and_trains_as_the_direct_one():
         assert all(torch.equal(params[k], ref_params[k]) for k in params)
     losses = [r[0] for r in factory[0][1]]
     assert losses[-1] < losses[0]
+
+
+def _factory_chunks(ctx, through_factory):
+    """Two virtual-stage chunks per rank wrapped as Megatron-LM's get_model wraps them (each
+    through the same DP factory), or directly with one shared schedule; trained 3 steps."""
+    import argparse
+
+    import tiny_gpt as T
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from zero3_runs import build, full_params, train
+
+    from megatron_zeropp import megatron_lm
+
+    if not through_factory:
+        _, chunks, optimizer = build(ctx, 1, 2, "zeropp", ZeroPPConfig(qwz=True, hpz=True),
+                                     ddp={"overlap_grad_reduce": True}, vp=2)
+        return None, train(chunks, optimizer, 3, micro=1), full_params(chunks)
+    T.setup_megatron(1, 2, vp=2)
+    config = T.tiny_config(1, 2, vp=2)
+    args = argparse.Namespace(**vars(_megatron_lm_args(
+        ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-small-param-threshold",
+         str(T.TINY_THRESHOLD), "--zeropp-ranks-per-node", "2"], world=4)))
+    DP = megatron_lm.data_parallel(args, write=lambda *a, **k: None)
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    chunks = [DP(config=config, ddp_config=ddp, module=T.build_model(config, vp_stage=i),
+                 disable_bucketing=i > 0) for i in range(2)]
+    optimizer = megatron_lm.get_optimizer(T.optimizer_config(), chunks)
+    T.wire_schedule_hooks(config, chunks, optimizer, grad_sync=True)
+    shared = chunks[0].schedule is chunks[1].schedule
+    return shared, train(chunks, optimizer, 3, micro=1), full_params(chunks)
+
+
+def test_factory_wraps_virtual_stages_with_one_schedule_and_trains_as_the_direct_one():
+    factory = run_distributed(_factory_chunks, 2, 2, args=(True,))
+    direct = run_distributed(_factory_chunks, 2, 2, args=(False,))
+    for (shared, results, params), (_, ref_results, ref_params) in zip(factory, direct):
+        assert shared
+        assert results == ref_results
+        assert params.keys() == ref_params.keys()
+        assert all(torch.equal(params[k], ref_params[k]) for k in params)
