@@ -44,6 +44,7 @@ MEGATRON_LM_FLAGS = sorted("""
 --use-mcore-models --attention-softmax-in-fp32 --attention-backend --rotary-percent
 --apply-query-key-layer-scaling --kv-channels --no-gradient-accumulation-fusion
 --use-distributed-optimizer --overlap-param-gather --num-layers-per-virtual-pipeline-stage
+--num-virtual-stages-per-pipeline-rank
 --lr-warmup-fraction --lr-warmup-samples --fp8-format --fp8-param-gather --fp8-amax-history-len
 --fp8-amax-compute-algo --calculate-per-token-loss --manual-gc
 --train-samples --lr-decay-samples --rampup-batch-size --eod-mask-loss --reset-position-ids

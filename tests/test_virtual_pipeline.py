@@ -211,3 +211,57 @@ def test_weights_cross_nodes_once_per_step_with_virtual_stages():
     assert total(virtual_more) == total(virtual)  # twice the micro-batches, the same bytes
     for step in total(virtual):
         assert step["forward"] > 0 and step["grad"] > 0 and step["backward"] == 0, step
+
+
+ARGS = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 1 --global-batch-size 8 --lr 1e-3 --train-iters 10 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 128 --pipeline-model-parallel-size 2").split()
+
+
+@pytest.mark.parametrize("extra, chunks", [
+    (["--num-virtual-stages-per-pipeline-rank", "2"], 2),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 4),  # 4 layers per stage, 1 per chunk
+    (["--num-virtual-stages-per-pipeline-rank", "1"], None),  # one chunk: no virtual stages
+])
+def test_the_flags_give_megatron_lm_s_chunks_per_rank(extra, chunks):
+    from megatron_zeropp.training.arguments import parse_args
+    from megatron_zeropp.training.model import transformer_config
+
+    args = parse_args(ARGS + extra, world_size=4)
+    assert args.virtual_pipeline_model_parallel_size == chunks
+    config = transformer_config(args)
+    assert config.virtual_pipeline_model_parallel_size == chunks
+    # as Megatron-LM: overlapped, unbatched p2p with virtual stages, batched without
+    assert (config.overlap_p2p_comm, config.batch_p2p_comm) == (chunks is not None,
+                                                                chunks is None)
+
+
+def test_the_micro_batch_group_size_is_honoured():
+    from megatron_zeropp.training.arguments import parse_args
+    from megatron_zeropp.training.model import transformer_config
+
+    args = parse_args(ARGS + ["--num-virtual-stages-per-pipeline-rank", "2",
+                              "--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+                      world_size=4)
+    assert transformer_config(args).microbatch_group_size_per_vp_stage == 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--no-overlap-p2p-communication"], "with --pipeline-model-parallel-size 2 need overlapped "
+                                         "point-to-point communication"),
+    (["--microbatch-group-size-per-virtual-pipeline-stage", "8"],
+     "--microbatch-group-size-per-virtual-pipeline-stage 8 (default the pipeline size) must lie "
+     "in [PP 2, micro-batches per step 4]"),
+    (["--microbatch-group-size-per-virtual-pipeline-stage", "3"],
+     "4 micro-batches per step leave a last group of 1 < PP 2"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     "give only one of --num-layers-per-virtual-pipeline-stage 1 and "
+     "--num-virtual-stages-per-pipeline-rank 2"),
+])
+def test_layouts_the_schedule_would_refuse_fail_at_start(extra, message, capsys):
+    from megatron_zeropp.training.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(ARGS + ["--num-virtual-stages-per-pipeline-rank", "2"] + extra,
+                   world_size=4)
+    assert message in capsys.readouterr().err

@@ -36,7 +36,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="virtual pipeline stages (interleaved 1F1B): this many layers per model "
+                        "chunk, so layers per pipeline rank / N chunks per rank")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages (interleaved 1F1B): model chunks per pipeline "
+                        "rank, each its own ZeRO++ unit list, gathered in the schedule's order")
     g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None)
     g.add_argument("--fp8-param-gather", action="store_true")
     g.add_argument("--fp8-amax-history-len", type=int, default=1)

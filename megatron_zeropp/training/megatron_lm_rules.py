@@ -95,8 +95,6 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("lr_wsd_decay_*", HONOURED, "model: OptimizerParamScheduler (--lr-decay-style WSD)"),
     ("vocab_extra_ids", HONOURED, _vocab_extra_ids),
     ("padded_vocab_size", HONOURED, "loop: the embedding's rows, as given"),
-    ("num_virtual_stages_per_pipeline_rank", HONOURED, "virtual_pipeline: model chunks per "
-                                                       "pipeline rank (interleaved schedule)"),
     ("overlap_p2p_comm", HONOURED, "virtual_pipeline: with virtual stages (batched p2p "
                                    "otherwise), as Megatron-LM"),
     ("microbatch_group_size_per_vp_stage", CONFIG, None),
