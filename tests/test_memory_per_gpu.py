@@ -149,7 +149,7 @@ def test_micro_batches_in_flight_follow_megatron_cores_schedule(pp, vp, m, group
 
 
 # -- storage against the real objects ---------------------------------------------------------
-SMALL = ["--num-layers", "4", "--hidden-size", "72", "--ffn-hidden-size", "252",
+SMALL = ["--num-layers", "4", "--hidden-size", "80", "--ffn-hidden-size", "280",
          "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
          "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type",
          "rope", "--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
@@ -157,7 +157,7 @@ SMALL = ["--num-layers", "4", "--hidden-size", "72", "--ffn-hidden-size", "252",
          "--lr", "1e-3", "--train-iters", "1", "--mock-data", "--tokenizer-type",
          "NullTokenizer", "--vocab-size", "1000", "--bf16", "--transformer-impl", "local",
          "--attention-dropout", "0", "--hidden-dropout", "0"]
-"""Sizes off the 64-element grid (hidden 72, heads of 9), so megatron-core's padding shows."""
+"""Sizes off the 64-element grid (hidden 80, heads of 10), so megatron-core's padding shows."""
 GPT2_LIKE = ["--num-layers", "2", "--hidden-size", "40", "--num-attention-heads", "4",
              "--seq-length", "16", "--micro-batch-size", "1", "--lr", "1e-3",
              "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -239,7 +239,8 @@ def _check_rank(r, argv, world):
 ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 
 
-@pytest.mark.parametrize("impl", ["zeropp", "zero3", "megatron"])
+@pytest.mark.parametrize("impl", ["zeropp", pytest.param("zero3", marks=pytest.mark.slow),
+                                  pytest.param("megatron", marks=pytest.mark.slow)])
 def test_storage_terms_equal_the_built_model_tp2_pp2_dp2(impl):
     """TP 2 x PP 2 x DP 2 on 2 simulated nodes of 4: each rank's parameters, persistent bytes
     and optimizer state are the tool's, byte for byte."""
@@ -261,13 +262,15 @@ def test_storage_terms_equal_the_built_model_tp2_pp2_dp2(impl):
             assert r["memory"]["grad"] == want.grads
             assert (want.secondary > 0) == (impl == "zeropp")
         assert r["optimizer"] == want.optimizer
-    # Negative control: the optimizer's share differs between DP ranks (bucket padding sits in
-    # the last rank's chunk), so a prediction for the wrong rank fails.
-    assert len({r["optimizer"] for r in results if r["pp_rank"] == 0}) == 2
+    if impl != "megatron":
+        # Negative control: the optimizer's share differs between DP ranks (each unit's bucket
+        # padding sits in the last rank's chunk), so a prediction for the wrong rank fails.
+        assert len({r["optimizer"] for r in results if r["pp_rank"] == 0}) == 2
     # the padding is real: the buffers are larger than the parameters they hold
     assert want.grads > m.grad_bytes * sum(n for _, n in r["params"])
 
 
+@pytest.mark.slow
 def test_storage_terms_tied_embeddings_layernorm_fp32_shard_grads():
     argv = GPT2_LIKE + ["--pipeline-model-parallel-size", "2", "--ranks-per-node", "2",
                         "--zeropp-hpz", "--zeropp-shard-grads"]

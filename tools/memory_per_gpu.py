@@ -48,10 +48,11 @@ What is counted, per GPU (the pipeline rank and DP rank that need the most are s
   --microbatch-group-size-per-virtual-pipeline-stage, default PP); on the first stage with VP
   chunks that is L (1 + (PP - 1) / (PP VP)) layers' worth, the paper's figure.
 
-* transients of the ZeRO layer (modelled, not measured on a GPU): full weights of the gathered
-  units, the largest window of 2 + prefetch depth consecutive units (the unit computing, the ones
-  prefetched, and the one whose last gradients are still landing; the CPU test measures the peak
-  against it); qwZ: the received INT8 codes and scales of the full unit plus this rank's
+* transients of the ZeRO layer: full weights of the gathered units, the largest window of
+  1 + prefetch depth consecutive units (the unit computing and the ones prefetched; plus a tied
+  embedding on a one-stage model, held from the output layer's backward to its own), which is
+  the peak measured in training on CPU (tests/test_llama3_70b_example.py); modelled, not
+  measured: qwZ: the received INT8 codes and scales of the full unit plus this rank's
   quantized shard, for max(1, prefetch depth) gathers in flight; qgZ: one reduction's buffers of
   the largest unit (hop-1 rows sent and received, fp32 node partials of numel/N elements).
 
@@ -471,6 +472,19 @@ def _qgz_buffers(numel: int, nodes: int, per_node: int, bits, block: int) -> int
     return rows + 4 * nodes * plan.chunk_numel  # fp32 node partials (K rows of c)
 
 
+def gathered_units(numels: Sequence[int], prefetch_depth: int, tied_one_stage: bool) -> int:
+    """Most parameter elements gathered at once: the unit computing and the ``prefetch_depth``
+    after it (before it, in backward), i.e. the largest window of 1 + depth consecutive units
+    in forward order; a tied embedding on a one-stage model stays gathered from the output
+    layer's backward to its own (the first unit)."""
+    window = min(len(numels), 1 + prefetch_depth)
+    most = max(sum(numels[i:i + window]) for i in range(len(numels) - window + 1))
+    if tied_one_stage and len(numels) > window:
+        most = max(most, numels[0] + max(sum(numels[i:i + window])
+                                         for i in range(1, len(numels) - window + 1)))
+    return most
+
+
 def zero_memory(m: Shapes, lay: Layout, pp_rank: int, dp_rank: int, z: ZeroSettings) -> Memory:
     """Bytes of the ZeRO layer on one rank: persistent storage exactly as ``memory_bytes()``
     reports it, the optimizer's, and the modelled transients."""
@@ -488,9 +502,8 @@ def zero_memory(m: Shapes, lay: Layout, pp_rank: int, dp_rank: int, z: ZeroSetti
         elements += optimizer_elements(bl, zg, dp_rank)
     mem.optimizer = _optimizer_bytes(m, elements)
     full = [sum(b.numel for b in bl) for bl in units]
-    window = min(len(full), 2 + z.prefetch_depth)
-    gathered = max(sum(full[i:i + window]) for i in range(len(full) - window + 1))
-    mem.detail["gathered_weights"] = gathered * m.param_bytes
+    mem.detail["gathered_weights"] = gathered_units(full, z.prefetch_depth, m.tied and (
+        lay.pp * lay.vp == 1)) * m.param_bytes
     if z.shard_grads:  # full gradients of the unit in backward and the one being reduced
         mem.detail["unit_grads"] = sum(sorted(full)[-2:]) * 4
     largest = max(full)
