@@ -285,3 +285,40 @@ def test_storage_terms_tied_embeddings_layernorm_fp32_shard_grads():
         full = tool.zero_memory(m, lay, r["pp_rank"], r["dp_rank"], tool.zero_settings(
             tool.parse_launch([a for a in argv if a != "--zeropp-shard-grads"], 4)[0], True))
         assert full.grads != r["memory"]["grad"]
+
+
+# -- Megatron-LM's virtual-stage test configurations (tests/data) -----------------------------
+def test_megatron_lm_vp_configs_list_every_change_and_fit_8_ranks():
+    import json
+
+    with open(os.path.join(REPO, "tests", "data", "megatron_lm_vp_configs.json")) as f:
+        data = json.load(f)
+    assert set(data["source"]["commits"]) == {"core_v0.16.1", "core_v0.19.0"}
+    names = {(c["tag"], c["name"]) for c in data["configs"]}
+    assert ("core_v0.16.1", "gpt3_7b_tp1_pp4_memory_speed") in names
+    assert ("core_v0.19.0", "gpt3_15b_8t_release_gb200") in names
+    for c in data["configs"]:
+        cpu = _flags(c["cpu_argv"])
+        assert any(f in cpu for f in tool_vp_flags()), c["name"]
+        tp = int(cpu.get("--tensor-model-parallel-size", ["1"])[0])
+        pp = int(cpu["--pipeline-model-parallel-size"][0])
+        assert c["ranks"] == 8 and 8 % (tp * pp) == 0 and 8 // (tp * pp) >= 2, c["name"]
+        assert _unnamed_changes(c) == set(), c["name"]
+        assert "--transformer-impl" in cpu and cpu["--transformer-impl"] == ["local"]
+    # Negative control: a value changed without saying so is found.
+    c = dict(data["configs"][0], cpu_argv=data["configs"][0]["cpu_argv"] + ["--lr", "1"])
+    assert _unnamed_changes(c) == {"--lr"}
+
+
+def _unnamed_changes(c) -> set:
+    """Flags whose CPU value differs from Megatron-LM's without a line in ``changes``."""
+    given = {f: v for f, v in c["megatron_lm_args"]}
+    cpu = _flags(c["cpu_argv"])
+    changed = {f for f in set(given) | set(cpu)
+               if (given.get(f) if f in given else "absent") !=
+               ((cpu[f][-1] if cpu[f] else None) if f in cpu else "absent")}
+    return changed - {line.split(":")[0] for line in c["changes"]}
+
+
+def tool_vp_flags():
+    return ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")
