@@ -148,6 +148,49 @@ def test_micro_batches_in_flight_follow_megatron_cores_schedule(pp, vp, m, group
         assert held == (layers if vp == 1 else layers * (1 + Fraction(pp - 1, pp * vp)))
 
 
+def test_bucket_layout_is_megatron_cores_own():
+    """megatron-core 0.19 computes its buffer layout in a pure function: same buckets (bucket
+    size splits, shared-embedding buckets, DP padding) and parameter ranges for 200 seeded
+    random parameter lists. 0.16.1 computes it inside the buffer (checked through the built
+    buffers below)."""
+    import random
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    compute = getattr(DistributedOptimizer, "_compute_per_buffer_param_layout", None)
+    if compute is None:
+        pytest.skip("megatron-core < 0.17 has no pure layout function")
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    rng = random.Random(0)
+    for _ in range(200):
+        numels = [rng.randint(1, 3000) for _ in range(rng.randint(1, 12))]
+        shared = [False] * len(numels)
+        if rng.random() < 0.3:
+            shared[rng.randrange(len(numels))] = True
+        dp, size = rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([None, 500, 2000, 5000])
+        params = []
+        for n, is_shared in zip(numels, shared):
+            p = torch.nn.Parameter(torch.empty(n, device="meta"))
+            if is_shared:
+                p.shared_embedding = True
+            params.append(p)
+        layout = compute(params, size, dp, config)
+        ours = tool.buckets([tool.Param(str(i), n, sh)
+                             for i, (n, sh) in enumerate(zip(numels, shared))], dp, size)
+        assert [b.numel for b in ours] == [e - s for s, e in layout.bucket_indices]
+        theirs = {}
+        for s, e, bucket in layout.param_index_map.values():
+            start = layout.bucket_indices[bucket][0]
+            theirs.setdefault(bucket, []).append((s - start, e - start))
+        assert [sorted(b.ranges) for b in ours] == [sorted(theirs[i]) for i in range(len(ours))]
+    # Negative control: padded for another DP size, the last case's buckets would differ.
+    assert [b.numel for b in tool.buckets([tool.Param("p", 100)], 3, None)] != \
+        [e - s for s, e in compute([torch.nn.Parameter(torch.empty(100, device="meta"))], None,
+                                   2, config).bucket_indices]
+
+
 # -- storage against the real objects ---------------------------------------------------------
 SMALL = ["--num-layers", "4", "--hidden-size", "80", "--ffn-hidden-size", "280",
          "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
@@ -322,3 +365,20 @@ def _unnamed_changes(c) -> set:
 
 def tool_vp_flags():
     return ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")
+
+
+def test_command_line_reports_each_world_size(capsys):
+    import json
+
+    argv = example_args("llama3_70b.sh")
+    assert tool.main(["--gpus", "16", "64", "--json", "--", *argv]) == 1  # 16: not a layout
+    out = capsys.readouterr()
+    assert "16 GPUs: world size 16 is not divisible by TP x PP x CP = 4 x 4 x 2" in out.err
+    (report,) = json.loads(out.out)
+    assert report["world"] == 64 and report["data_parallel"] == 2 and report["zero_group"] == 4
+    assert report["hpz_partition"] == 2 and report["padded_vocab"] == 128512
+    zeropp, zero3 = report["results"]["zeropp"], report["results"]["zero3"]
+    assert zeropp["hpz_secondary"] > 0 == zero3["hpz_secondary"]
+    assert zeropp["weights"] == zero3["weights"] and zeropp["total"] > zero3["total"]
+    assert tool.main(["--gpus", "64", "--", *argv]) == 0
+    assert "| 64 | TP4 PP4 VP5 CP2 DP2 |" in capsys.readouterr().out
