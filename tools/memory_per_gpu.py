@@ -91,45 +91,16 @@ _HARMLESS_OVERRIDES = {
 
 
 # -- the launch line --------------------------------------------------------------------------
-def virtual_stages(args) -> int:
-    """Model chunks per pipeline rank, from either of Megatron-LM's flags (1 without them)."""
-    per_rank = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    pp = args.pipeline_model_parallel_size
-    if per_rank is not None and per_stage is not None:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage and "
-                         "--num-virtual-stages-per-pipeline-rank are mutually exclusive")
-    if per_stage is not None:
-        if args.num_layers % (pp * per_stage):
-            raise ValueError(f"--num-layers {args.num_layers} is not divisible by PP {pp} x "
-                             f"--num-layers-per-virtual-pipeline-stage {per_stage}")
-        per_rank = args.num_layers // (pp * per_stage)
-    if per_rank is None:
-        return 1
-    if per_rank < 1 or args.num_layers % (pp * per_rank):
-        raise ValueError(f"--num-layers {args.num_layers} is not divisible by PP {pp} x "
-                         f"{per_rank} virtual stages")
-    if per_rank > 1 and pp == 1:
-        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-    return per_rank
-
-
 def parse_launch(argv: Sequence[str], world_size: int):
-    """``(args, virtual stages)``: the launch line through pretrain_gpt.py's parser and
-    validation at ``world_size``. Raises ValueError with pretrain_gpt.py's message.
-
-    The virtual-stage flags are read here and hidden from the validation, which refuses them
-    while the interleaved schedule is not built (megatron_lm_rules); their layout is checked
-    here instead."""
+    """``(args, virtual stages)``: the launch line through pretrain_gpt.py's own parser and
+    validation at ``world_size`` (which also derives the chunks per pipeline rank from either of
+    Megatron-LM's virtual-stage flags, as the run would). Raises ValueError with pretrain_gpt.py's
+    message."""
     from megatron_zeropp.training.arguments import build_parser, validate
 
     args = build_parser().parse_args(list(argv))
-    vp = virtual_stages(args)
-    args.num_virtual_stages_per_pipeline_rank = None
-    args.num_layers_per_virtual_pipeline_stage = None
     validate(args, world_size)
-    args.num_virtual_stages_per_pipeline_rank = vp if vp > 1 else None
-    return args, vp
+    return args, args.virtual_pipeline_model_parallel_size or 1
 
 
 # -- model shapes -----------------------------------------------------------------------------
@@ -472,12 +443,17 @@ def _qgz_buffers(numel: int, nodes: int, per_node: int, bits, block: int) -> int
     return rows + 4 * nodes * plan.chunk_numel  # fp32 node partials (K rows of c)
 
 
-def gathered_units(numels: Sequence[int], prefetch_depth: int, tied_one_stage: bool) -> int:
+def gathered_units(numels: Sequence[int], prefetch_depth: int, tied_one_stage: bool,
+                   virtual: bool = False) -> int:
     """Most parameter elements gathered at once: the unit computing and the ``prefetch_depth``
     after it (before it, in backward), i.e. the largest window of 1 + depth consecutive units
     in forward order; a tied embedding on a one-stage model stays gathered from the output
-    layer's backward to its own (the first unit)."""
+    layer's backward to its own (the first unit). With virtual stages (``virtual``) the layer
+    gathers ahead in the order the interleaved schedule enters the units, which puts units of
+    different chunks next to each other: the bound is then the 1 + depth largest units."""
     window = min(len(numels), 1 + prefetch_depth)
+    if virtual:
+        return sum(sorted(numels)[-window:])
     most = max(sum(numels[i:i + window]) for i in range(len(numels) - window + 1))
     if tied_one_stage and len(numels) > window:
         most = max(most, numels[0] + max(sum(numels[i:i + window])
@@ -503,7 +479,7 @@ def zero_memory(m: Shapes, lay: Layout, pp_rank: int, dp_rank: int, z: ZeroSetti
     mem.optimizer = _optimizer_bytes(m, elements)
     full = [sum(b.numel for b in bl) for bl in units]
     mem.detail["gathered_weights"] = gathered_units(full, z.prefetch_depth, m.tied and (
-        lay.pp * lay.vp == 1)) * m.param_bytes
+        lay.pp * lay.vp == 1), virtual=lay.vp > 1) * m.param_bytes
     if z.shard_grads:  # full gradients of the unit in backward and the one being reduced
         mem.detail["unit_grads"] = sum(sorted(full)[-2:]) * 4
     largest = max(full)
