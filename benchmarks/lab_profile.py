@@ -138,7 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default="lab_profile.json")
     p.add_argument("--model", default="125m", choices=sorted(G.MODELS))
     p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--host-iters", type=int, default=8, help="iterations of lab-host runs")
+    p.add_argument("--host-iters", type=int, default=8,
+                   help="lab-host runs stop after this many iterations (--exit-interval)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=32)
@@ -190,8 +191,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             one_run(f"lab-shared {config}", [[z] + full + lab + ["--lab-transport", "shared"]],
                     args.warmup)
         if "lab-host" in args.runs:
-            short = flags(args.model, args.host_iters, args.micro_batch_size,
-                          args.global_batch_size, args.vocab_size, extra)
+            # The same schedule as the other runs (the learning rate of every step), stopped
+            # early: the logged numbers are comparable iteration by iteration.
+            short = full + ["--exit-interval", str(args.host_iters)]
             one_run(f"lab-host {config}", [[z] + short + lab + ["--lab-transport", "host"]],
                     min(args.warmup, args.host_iters - 3))
             shared = report["runs"].get(f"lab-shared {config}", {}).get("log", [])
