@@ -77,9 +77,9 @@ class Study:
 STUDIES = {
     # GPT-3 small: >= 1,500 iterations, >= 3 seeds; the noise floor on the first seeds
     "125m": Study("125m", 1500, (1234, 1235, 1236),
-                  ("zero3", "all3", "qwz+hpz", "all3+diff4", "zero3+sg"), micro_batch_size=8),
+                  ("zero3", "all3", "qwz+hpz", "all3+diff4", "zero3+sg"), micro_batch_size=4),
     # GPT-3 medium: >= 1,000 iterations, 2 seeds
-    "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3"), micro_batch_size=8),
+    "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3"), micro_batch_size=4),
 }
 NODES, RANKS_PER_NODE = 2, 2
 SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
