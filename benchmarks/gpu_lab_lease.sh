@@ -29,7 +29,7 @@ if [ "${CHECKS:-0}" = 1 ]; then
         --configs all3 --runs lab-shared lab-host --iters 10 --host-iters 10 \
         --micro-batch-size 4 --vocab-size 8192 2>&1 | tee "$OUT/checks.txt"
     python3 benchmarks/lab_profile.py --out /tmp/checks/speed/lab_speed_mbs4.json --model 125m \
-        --configs zero3 all3 --runs one lab-shared --iters 10 --micro-batch-size 4 \
+        --configs zero3 --runs one lab-shared --iters 10 --micro-batch-size 4 \
         2>&1 | tee -a "$OUT/checks.txt"
     cp /tmp/checks/identity/lab_identity.json /tmp/checks/speed/lab_speed_mbs4.json "$OUT/"
 fi
