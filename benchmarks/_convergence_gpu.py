@@ -44,7 +44,19 @@ MODEL_SMALL = ["--num-layers", "6", "--hidden-size", "512", "--num-attention-hea
                "--ffn-hidden-size", "2048", "--seq-length", "512",
                "--max-position-embeddings", "512", "--hidden-dropout", "0",
                "--attention-dropout", "0"]
-MODELS = {"124m": MODEL_124M, "small": MODEL_SMALL, "tiny": MODEL_TINY}
+# GPT-3 small and medium (Brown et al. 2020, table 2.1): 12 x 768 (12 heads) and 24 x 1024
+# (16 heads), feed-forward 4 h, at sequence 1024. Layers 85.0M and 302.2M parameters; with a
+# 32k vocabulary the embeddings add 25.2M and 33.6M (GPT-3's 50k vocabulary: 38.6M and 51.5M).
+MODEL_125M = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+              "--ffn-hidden-size", "3072", "--seq-length", "1024",
+              "--max-position-embeddings", "1024", "--hidden-dropout", "0",
+              "--attention-dropout", "0"]
+MODEL_350M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+              "--ffn-hidden-size", "4096", "--seq-length", "1024",
+              "--max-position-embeddings", "1024", "--hidden-dropout", "0",
+              "--attention-dropout", "0"]
+MODELS = {"124m": MODEL_124M, "125m": MODEL_125M, "350m": MODEL_350M, "small": MODEL_SMALL,
+          "tiny": MODEL_TINY}
 # Gradients accumulated and reduced in fp32 for every configuration, so that ZeRO-3 with and
 # without --zeropp-shard-grads differ only in the order of the same fp32 sums.
 TRAINING = ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--lr", "6e-4", "--min-lr", "6e-5",

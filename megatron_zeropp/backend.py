@@ -52,7 +52,7 @@ def lab_device_index(local_rank: int, device_count: int) -> int:
 
 
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None,
-                     share_gpu: bool = False) -> str:
+                     share_gpu: bool = False, lab_transport: str = "shared") -> str:
     """Initialise torch.distributed from torchrun's environment; returns the backend used.
 
     The backend is NCCL when CUDA is available, gloo otherwise (``backend`` overrides). On CUDA the
@@ -60,13 +60,15 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     megatron-core runs.
 
     ``share_gpu`` is the numerics lab (``--ranks-share-gpu``): several ranks per GPU
-    (:func:`lab_device_index`), which NCCL refuses, so gloo, with every collective of the ZeRO++
-    layer staged through host memory (:func:`megatron_zeropp.comm.set_host_staging`); without
-    CUDA the same staged path runs on CPU tensors.
+    (:func:`lab_device_index`), which NCCL refuses, so gloo for everything but the ZeRO++
+    layer's collectives, which take ``lab_transport`` (``--lab-transport``,
+    :func:`megatron_zeropp.comm.set_lab_transport`): ``"shared"``, device copies between the
+    ranks' IPC-shared buffers, or ``"host"``, staged through host memory into gloo. Without CUDA
+    the same paths run on CPU tensors.
     """
     import torch.distributed as dist
 
-    from megatron_zeropp.comm import set_host_staging
+    from megatron_zeropp.comm import LAB_TRANSPORTS, set_lab_transport
 
     chosen = backend or ("nccl" if cuda_available() and not share_gpu else "gloo")
     if chosen not in ("nccl", "gloo"):
@@ -76,7 +78,9 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     if chosen == "nccl" and share_gpu:
         raise ValueError("ranks sharing a GPU need backend 'gloo' (NCCL allows one rank per "
                          "GPU), got 'nccl'")
-    set_host_staging(share_gpu)
+    if lab_transport not in LAB_TRANSPORTS:
+        raise ValueError(f"lab_transport must be one of {LAB_TRANSPORTS}, got {lab_transport!r}")
+    set_lab_transport(lab_transport if share_gpu else None, timeout_s=timeout_minutes * 60)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda_available():
         torch.cuda.set_device(lab_device_index(local_rank, torch.cuda.device_count())

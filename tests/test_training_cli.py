@@ -16,7 +16,7 @@ SUPPORTED_FLAGS = sorted("""
 --num-attention-heads --num-layers --num-query-groups --optimizer --overlap-grad-reduce
 --overlap-param-gather --pipeline-model-parallel-size --position-embedding-type --profile
 --profile-dir --profile-ranks --profile-step-end --profile-step-start --ranks-per-node
---ranks-share-gpu
+--ranks-share-gpu --lab-transport
 --recompute-granularity --recompute-method --recompute-num-layers --rotary-base --sample-data
 --save --save-interval --load-optional --overwrite-checkpoints --break-save-lock --ckpt-checksums
 --exit-signal-handler

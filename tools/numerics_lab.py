@@ -3,8 +3,10 @@
 What does ZeRO++ cost my loss at DP 64? A convergence study needs the quantization, exchange
 placement and summation order of DP 64, not 64 GPUs. This launches pretrain_gpt.py as Z processes
 on one host with ``--ranks-share-gpu``: every rank's model and compute on the same GPU (GPU
-``LOCAL_RANK mod visible GPUs``), gloo between them, the ZeRO++ layer's collectives staged through
-host memory. Each rank runs the layer exactly as on a cluster of ``--nodes`` nodes of
+``LOCAL_RANK mod visible GPUs``), gloo between them for megatron-core's all-reduces, the ZeRO++
+layer's collectives as device copies between the ranks' CUDA-IPC-shared buffers
+(``--lab-transport shared``, the default; ``host`` stages them through host memory into gloo).
+Each rank runs the layer exactly as on a cluster of ``--nodes`` nodes of
 ``--ranks-per-node`` GPUs; only the transport differs (see docs/design.md, "The numerics lab").
 
     python tools/numerics_lab.py --nodes 8 --ranks-per-node 8 -- \\
@@ -13,7 +15,8 @@ host memory. Each rank runs the layer exactly as on a cluster of ``--nodes`` nod
         --data-path ... --tokenizer-type ... --zeropp-qwz --zeropp-hpz --zeropp-qgz
 
 Everything after ``--`` goes to pretrain_gpt.py unchanged. ``--dry-run`` prints the command.
-Without a GPU the same command runs on CPU (the staged path on CPU tensors: how it is tested).
+Without a GPU the same command runs on CPU (the same transports over CPU tensors and shared memory:
+how they are tested).
 Memory per rank on the GPU: the CUDA context (~0.5 GB) + the full gradient buffer (4 bytes per
 parameter with fp32 accumulation; 4/Z with --zeropp-shard-grads) + one unit's gathered weights +
 the primary shard, the hpZ secondary and the optimizer state (2/Z + 2/N + 16/Z bytes per

@@ -9,7 +9,13 @@ for the byte model.
 
 from .accounting import CommStats, StepCounts
 from .baseline import zero3_all_gather, zero3_reduce_scatter
-from .common import host_staging_forced, set_host_staging
+from .common import (
+    LAB_TRANSPORTS,
+    host_staging_forced,
+    lab_transport_name,
+    set_host_staging,
+    set_lab_transport,
+)
 from .hpz import SecondaryPartition, SecondaryWeights, StaleSecondaryError
 from .qgz import QgzPlan, qgz_plan, qgz_reduce_scatter, qgz_residual_input
 from .qgz_feedback import QgzResidual
@@ -27,13 +33,16 @@ __all__ = [
     "StaleSecondaryError",
     "StepCounts",
     "drain",
+    "LAB_TRANSPORTS",
     "host_staging_forced",
+    "lab_transport_name",
     "qgz_plan",
     "qgz_reduce_scatter",
     "qgz_residual_input",
     "qwz_all_gather",
     "qwz_diff_all_gather",
     "set_host_staging",
+    "set_lab_transport",
     "zero3_all_gather",
     "zero3_reduce_scatter",
 ]

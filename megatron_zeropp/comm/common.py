@@ -6,10 +6,14 @@ Kept apart from the protocols so each protocol module reads as its algorithm onl
 from __future__ import annotations
 
 import contextvars
-from typing import List, Tuple
+import time
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from . import lab_transport as lab_transport_module
+from .lab_transport import TIMES
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_OPS = ("sum", "avg")
@@ -42,34 +46,66 @@ def _record_handed(kind: str, group, tensor: torch.Tensor) -> None:
                             tensor.numel() * tensor.element_size())
 
 
-# Host staging: the numerics lab (``--ranks-share-gpu``) runs Z ranks on one GPU, which NCCL
-# refuses (one rank per device), so its collectives go over gloo; gloo has no reduce-scatter for
-# CUDA tensors, and the lab wants one path for all four helpers below anyway. A staged call copies
-# its input to host memory, runs the same collective on the copy and copies the result back: the
-# bytes moved, and so every bit downstream, are those of the direct call. The copies are blocking
-# on the current stream (a protocol's CUDA lane, ``work.py``), which has waited for the caller's
-# stream: the host copy sees the lane's and the caller's last writes, and the device output is
-# written before the lane's completion event is recorded, so ``handle.wait()`` keeps its meaning.
-_FORCE_HOST_STAGING = False
+# The numerics lab (``--ranks-share-gpu``) runs Z ranks on one GPU, which NCCL refuses (one rank
+# per device), so its collectives take one of two transports (``--lab-transport``):
+#
+# * ``shared`` (:mod:`.lab_transport`): device copies between the ranks' IPC-shared buffers,
+#   ordered by a host barrier and CUDA IPC events; on CPU the same code over shared memory.
+# * ``host``: host staging. A staged call copies its input to host memory, runs the same gloo
+#   collective on the copy and copies the result back. The copies are blocking on the current
+#   stream (a protocol's CUDA lane, ``work.py``), which has waited for the caller's stream: the
+#   host copy sees the lane's and the caller's last writes, and the device output is written
+#   before the lane's completion event is recorded, so ``handle.wait()`` keeps its meaning.
+#   Staging is also what a CUDA tensor on a gloo group needs outside the lab (gloo has no
+#   reduce-scatter for CUDA tensors).
+#
+# Either way the bytes moved, and so every bit downstream, are those of the direct call (a
+# reduce-scatter's sum order aside, see lab_transport).
+LAB_TRANSPORTS = ("shared", "host")
+_LAB_TRANSPORT: Optional[str] = None
+_SHARED = None  # the lab_transport.SharedTransport of this process
+
+
+def set_lab_transport(name: Optional[str], timeout_s: float = 600.0) -> None:
+    """Route every collective of this module through the lab's transport ``name`` (one of
+    :data:`LAB_TRANSPORTS`; ``None``: direct calls), CPU tensors included: forcing it on CPU runs
+    the lab's exact code path without a GPU, which is how it is tested against the direct path
+    (``tests/test_numerics_lab.py``, ``tests/test_lab_transport.py``). ``timeout_s``: how long
+    the shared transport waits for a member at a barrier before raising."""
+    global _LAB_TRANSPORT, _SHARED
+    if name is not None and name not in LAB_TRANSPORTS:
+        raise ValueError(f"lab transport must be one of {LAB_TRANSPORTS} or None, got {name!r}")
+    _LAB_TRANSPORT = name
+    if name == "shared":
+        if _SHARED is None or _SHARED.timeout_s != timeout_s:
+            _SHARED = lab_transport_module.SharedTransport(timeout_s)
+    else:
+        _SHARED = None
 
 
 def set_host_staging(force: bool) -> None:
-    """Stage every collective of this module through host memory, CPU tensors included.
+    """Stage every collective of this module through host memory (the ``host`` lab transport),
+    or stop routing through a lab transport."""
+    set_lab_transport("host" if force else None)
 
-    Without it, staging happens only where it must (CUDA tensors on a gloo group). Forcing it on
-    CPU runs the numerics lab's exact code path without a GPU: that is how it is tested against
-    the direct path (``tests/test_numerics_lab.py``)."""
-    global _FORCE_HOST_STAGING
-    _FORCE_HOST_STAGING = bool(force)
+
+def lab_transport_name() -> Optional[str]:
+    """The lab transport this process routes its collectives through (``None``: direct)."""
+    return _LAB_TRANSPORT
 
 
 def host_staging_forced() -> bool:
-    """Whether :func:`set_host_staging` forced staging in this process."""
-    return _FORCE_HOST_STAGING
+    """Whether host staging was forced in this process (``set_host_staging`` / the ``host``
+    lab transport)."""
+    return _LAB_TRANSPORT == "host"
+
+
+def _shared():
+    return _SHARED if _LAB_TRANSPORT == "shared" else None
 
 
 def _staged(group, tensor: torch.Tensor) -> bool:
-    if _FORCE_HOST_STAGING:
+    if _LAB_TRANSPORT == "host":
         return True
     return tensor.device.type == "cuda" and dist.get_backend(group) == "gloo"
 
@@ -82,13 +118,28 @@ def _host_empty(like: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cuda":
+        # Split out of the blocking copy for --lab-timers: the wait for the lane to drain.
+        start = time.perf_counter()
+        torch.cuda.current_stream(t.device).synchronize()
+        TIMES.add("host.wait_device", time.perf_counter() - start)
+    start = time.perf_counter()
     host = _host_empty(t)
     host.copy_(t)
+    TIMES.add("host.to_host", time.perf_counter() - start, t.numel() * t.element_size())
     return host
 
 
 def _from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    start = time.perf_counter()
     dst.copy_(host)
+    TIMES.add("host.from_host", time.perf_counter() - start, host.numel() * host.element_size())
+
+
+def _gloo(fn, *args, **kwargs) -> None:
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    TIMES.add("host.gloo", time.perf_counter() - start)
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
@@ -99,9 +150,12 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """
     _record_handed("all_gather", group, input)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if _shared() is not None:
+        _shared().all_gather(output, input, group)
+        return
     if _staged(group, input):
         host_out = _host_empty(output)
-        fn(host_out.view(-1), _to_host(input).view(-1), group=group)
+        _gloo(fn, host_out.view(-1), _to_host(input).view(-1), group=group)
         _from_host(output, host_out)
         return
     fn(output.view(-1), input.view(-1), group=group)
@@ -111,9 +165,12 @@ def reduce_scatter_from(output: torch.Tensor, input: torch.Tensor, op, group) ->
     """Synchronous equal-size reduce-scatter of contiguous tensors, as flat buffers."""
     _record_handed("reduce_scatter", group, input)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if _shared() is not None:
+        _shared().reduce_scatter(output, input, op, group)
+        return
     if _staged(group, input):
         host_out = _host_empty(output)
-        fn(host_out.view(-1), _to_host(input).view(-1), op=op, group=group)
+        _gloo(fn, host_out.view(-1), _to_host(input).view(-1), op=op, group=group)
         _from_host(output, host_out)
         return
     fn(output.view(-1), input.view(-1), op=op, group=group)
@@ -122,9 +179,12 @@ def reduce_scatter_from(output: torch.Tensor, input: torch.Tensor, op, group) ->
 def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """Synchronous all-to-all with equal splits along dim 0."""
     _record_handed("all_to_all", group, input)
+    if _shared() is not None:
+        _shared().all_to_all(output, input, group)
+        return
     if _staged(group, input):
         host_out = _host_empty(output)
-        dist.all_to_all_single(host_out, _to_host(input), group=group)
+        _gloo(dist.all_to_all_single, host_out, _to_host(input), group=group)
         _from_host(output, host_out)
         return
     dist.all_to_all_single(output, input, group=group)
@@ -138,10 +198,14 @@ def all_to_all_v_into(output: torch.Tensor, input: torch.Tensor, output_splits: 
         protocol, stats = call
         stats.record_handed(protocol, "all_to_all", group_ranks(group), dist.get_rank(),
                             input.numel(), splits=list(input_splits))
+    if _shared() is not None:
+        _shared().all_to_all_v(output, input, output_splits, input_splits, group)
+        return
     if _staged(group, input):
         host_out = _host_empty(output)
-        dist.all_to_all_single(host_out, _to_host(input), output_split_sizes=list(output_splits),
-                               input_split_sizes=list(input_splits), group=group)
+        _gloo(dist.all_to_all_single, host_out, _to_host(input),
+              output_split_sizes=list(output_splits), input_split_sizes=list(input_splits),
+              group=group)
         _from_host(output, host_out)
         return
     dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),

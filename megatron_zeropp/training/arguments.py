@@ -66,9 +66,13 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ranks-share-gpu", action="store_true",
                    help="numerics lab: every rank of a host on GPU LOCAL_RANK mod the visible "
                         "GPUs (all on one GPU when one is visible), gloo with the layer's "
-                        "collectives staged through host memory; the same quantization, "
+                        "collectives over --lab-transport; the same quantization, "
                         "exchanges and summation order as a multi-GPU run "
                         "(tools/numerics_lab.py launches it; data parallelism only)")
+    g.add_argument("--lab-transport", choices=("shared", "host"), default="shared",
+                   help="with --ranks-share-gpu: how the layer's collectives move: shared = "
+                        "device copies between the ranks' CUDA-IPC-shared buffers (shared memory "
+                        "on CPU); host = staged through host memory into gloo")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
 

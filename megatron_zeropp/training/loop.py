@@ -208,7 +208,7 @@ def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] 
     except StartupError as e:
         error = str(e)
     init_distributed(args.distributed_timeout_minutes, args.distributed_backend,
-                     share_gpu=args.ranks_share_gpu)
+                     share_gpu=args.ranks_share_gpu, lab_transport=args.lab_transport)
     try:
         _agree_at_start(args, load_iteration, error)
         history = _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration)
@@ -299,8 +299,10 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         print_args(args)
         print(f"> topology: {topology.describe()}", flush=True)
         if args.ranks_share_gpu:
+            how = ("device copies between shared buffers" if args.lab_transport == "shared"
+                   else "staged through host memory")
             print(f"> numerics lab: {world} ranks share {default_device()} (gloo; the layer's "
-                  f"collectives staged through host memory)", flush=True)
+                  f"collectives {how})", flush=True)
         if fallback_summary():
             print(fallback_summary(), flush=True)
     config = transformer_config(args)

@@ -1,0 +1,331 @@
+"""The seeded ZeRO++ loss study at 125M and 350M, resumable across device leases and sessions.
+
+Each job is one (configuration, seed) of a study (:data:`STUDIES`), trained from scratch by the
+numerics lab (``tools/numerics_lab.py``: 2 nodes x 2 GPUs as four ranks sharing the GPU, the
+shared transport) on the Debian prose corpus (``tools/build_debian_corpus.py``), and sized to
+finish inside one lease (no checkpoint survives a lease: only small result files come back).
+A finished job becomes one line of the study's results file in the repo
+(``docs/lab_study/results.jsonl``): configuration, seed, flags, commit, training loss every 10
+iterations, validation losses, the final validation loss, median ms per iteration. Jobs already
+in the file are skipped, so a later lease or session runs only what is missing::
+
+    # on the device (a job outlives the call: setsid), then poll in later calls of the lease
+    python benchmarks/lab_study.py start --study 125m --jobs 3 --data-dir runs/lab_data \\
+        --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit <sha>
+    python benchmarks/lab_study.py poll --run-dir /tmp/study --out $OUT
+    # here: add what came back, then the tables and curves
+    python benchmarks/lab_study.py record --records <files_at>/records.jsonl \\
+        --results docs/lab_study/results.jsonl
+    python benchmarks/lab_study.py table --results docs/lab_study/results.jsonl --study 125m \\
+        --plot docs/lab_study/125m.png
+
+``table`` prints, per configuration, the final validation loss per seed and the paired gap to
+zero3 of the same seed (mean +- standard error over the seeds), ``zero3+sg`` (the same fp32
+sums in another order) being the summation-order noise floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+
+import _convergence_gpu as G  # noqa: E402
+import convergence_lab as L  # noqa: E402
+from gpu_shaped import COMMON_ENV, _free_port  # noqa: E402
+from numerics_lab import lab_command  # noqa: E402
+
+_ALL3 = ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz")
+CONFIGS: Dict[str, Tuple[str, ...]] = {
+    "zero3": (),
+    "zero3+sg": ("--zeropp-shard-grads",),  # the summation-order noise floor
+    "qwz+hpz": ("--zeropp-qwz", "--zeropp-hpz"),
+    "all3": _ALL3,  # the defaults (qgZ stochastic rounding, INT8/INT4, small params exact)
+    "all3+diff4": _ALL3 + ("--zeropp-qwz-diff-bits", "4"),
+}
+
+
+@dataclass(frozen=True)
+class Study:
+    """One study of the issue: model, schedule, seeds and configurations, in the order jobs
+    run (seed by seed, so that paired sets complete first)."""
+
+    model: str
+    iters: int
+    seeds: Tuple[int, ...]
+    configs: Tuple[str, ...]
+    micro_batch_size: int
+    global_batch_size: int = 32
+    eval_interval: int = 100
+    eval_iters: int = 10
+
+    def jobs(self) -> List[Tuple[str, int]]:
+        return [(c, s) for s in self.seeds for c in self.configs]
+
+
+STUDIES = {
+    # GPT-3 small: >= 1,500 iterations, >= 3 seeds; the noise floor on the first seeds
+    "125m": Study("125m", 1500, (1234, 1235, 1236),
+                  ("zero3", "all3", "qwz+hpz", "all3+diff4", "zero3+sg"), micro_batch_size=4),
+    # GPT-3 medium: >= 1,000 iterations, 2 seeds
+    "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3"), micro_batch_size=4),
+}
+NODES, RANKS_PER_NODE = 2, 2
+SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
+              global_batch_size=8, eval_interval=10, eval_iters=2)
+"""A CPU-sized study for the driver's own test."""
+
+
+def job_key(study: str, config: str, seed: int) -> str:
+    return f"{study}/{config}@seed{seed}"
+
+
+def _data(data_dir: str) -> Tuple[Tuple[str, str], int, dict]:
+    with open(os.path.join(data_dir, "sample_data.json")) as f:
+        manifest = json.load(f)
+    data = manifest["data"]
+    prefixes = tuple(os.path.join(os.path.abspath(data_dir), os.path.basename(data[k]))
+                     for k in ("train_data_prefix", "valid_data_prefix"))
+    corpus = {"train_tokens": data.get("train_tokens"), "valid_tokens": data.get("valid_tokens"),
+              "vocab_size": data["vocab_size"],
+              "packages": {k: v.get("deb") for k, v in manifest.get("packages", {}).items()}}
+    return prefixes, data["vocab_size"], corpus
+
+
+def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str) -> List[str]:
+    """pretrain_gpt.py's flags for one job (the lab adds its own)."""
+    prefixes, vocab, _ = _data(data_dir)
+    warmup = max(1, study.iters // 50)
+    training = [f for f in G.TRAINING if f not in ("--ckpt-format", "torch")]
+    return G.MODELS[study.model] + training + [
+        "--log-interval", "10",
+        "--train-data-path", prefixes[0], "--valid-data-path", prefixes[1],
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
+        "--micro-batch-size", str(study.micro_batch_size),
+        "--global-batch-size", str(study.global_batch_size),
+        "--train-iters", str(study.iters), "--lr-warmup-iters", str(warmup),
+        "--eval-interval", str(study.eval_interval), "--eval-iters", str(study.eval_iters),
+        "--data-cache-path", os.path.join(job_dir, "data_cache"), "--seed", str(seed),
+    ] + list(CONFIGS[config])
+
+
+def read_results(path: str) -> Dict[str, dict]:
+    """{job key: record} of a results file (missing file: none)."""
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                out[r["job"]] = r
+    return out
+
+
+def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
+            only: Sequence[str] = ()) -> List[Tuple[str, int]]:
+    """The jobs of study ``name`` neither recorded in ``done`` nor already ``started``, in run
+    order (limited to the configurations ``only`` if given)."""
+    study = SMOKE if name == "smoke" else STUDIES[name]
+    return [(c, s) for c, s in study.jobs()
+            if job_key(name, c, s) not in done and job_key(name, c, s) not in started
+            and (not only or c in only)]
+
+
+def start(args) -> int:
+    study = SMOKE if args.study == "smoke" else STUDIES[args.study]
+    os.makedirs(args.run_dir, exist_ok=True)
+    ledger_path = os.path.join(args.run_dir, "jobs.json")
+    ledger = {}
+    if os.path.exists(ledger_path):
+        with open(ledger_path) as f:
+            ledger = json.load(f)
+    todo = pending(args.study, read_results(args.results), ledger, args.only)
+    for config, seed in todo[:args.jobs]:
+        key = job_key(args.study, config, seed)
+        job_dir = os.path.join(args.run_dir, key.replace("/", "_"))
+        os.makedirs(job_dir, exist_ok=True)
+        flags = job_flags(study, config, seed, args.data_dir, job_dir)
+        cmd = lab_command(NODES, RANKS_PER_NODE, flags, python=sys.executable,
+                          master_port=_free_port())
+        env = dict(os.environ, **COMMON_ENV, PYTHONUNBUFFERED="1")
+        with open(os.path.join(job_dir, "train.log"), "w") as log:
+            # its own session: the job outlives the call that started it
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        ledger[key] = {"study": args.study, "config": config, "seed": seed, "dir": job_dir,
+                       "pid": proc.pid, "cmd": shlex.join(cmd), "flags": flags,
+                       "commit": args.commit, "started": time.time()}
+        print(f"started {key} (pid {proc.pid})", flush=True)
+    with open(ledger_path, "w") as f:
+        json.dump(ledger, f, indent=1)
+    if not todo:
+        print(f"nothing left to run in study {args.study}")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:  # kill(0 or -1, ...) would address process groups, not one job
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a finished child of ours that nobody reaped is a zombie, not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -> dict:
+    """What a job's log says: curves, validation losses, the final one, ms per iteration."""
+    name = os.path.basename(entry["dir"])
+    h = G.collect(os.path.dirname(entry["dir"]), [name])[name]
+    loss = [[i, v] for i, v in zip(h["iterations"], h["loss"]) if i % 10 == 0]
+    ms = [m for m in h["ms"] if m]
+    final = h["final_val_loss"][-1][1] if h["final_val_loss"] else None
+    return {"job": key, "study": entry["study"], "model": study.model, "config": entry["config"],
+            "seed": entry["seed"], "iters": study.iters, "flags": list(CONFIGS[entry["config"]]),
+            "layout": f"{NODES}x{RANKS_PER_NODE}",
+            "micro_batch_size": study.micro_batch_size,
+            "global_batch_size": study.global_batch_size, "commit": entry["commit"],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+            "corpus": corpus, "loss_every_10": loss, "val_loss": [list(v) for v in h["val_loss"]],
+            "final_val_loss": final, "last_iteration": h["iterations"][-1] if h["iterations"]
+            else 0, "ms_median": statistics.median(ms) if ms else None}
+
+
+def poll(args) -> int:
+    with open(os.path.join(args.run_dir, "jobs.json")) as f:
+        ledger = json.load(f)
+    os.makedirs(args.out, exist_ok=True)
+    device = _device()
+    status, records, partial = {}, [], []
+    for key, entry in ledger.items():
+        study = SMOKE if entry["study"] == "smoke" else STUDIES[entry["study"]]
+        _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
+        rec = job_record(entry, key, study, corpus, device)
+        alive = _alive(entry["pid"])
+        finished = rec["final_val_loss"] is not None and rec["last_iteration"] == study.iters
+        state = "finished" if finished else ("running" if alive else "failed")
+        status[key] = {"state": state, "iteration": rec["last_iteration"],
+                       "ms_median": rec["ms_median"],
+                       "minutes": round((time.time() - entry["started"]) / 60, 1)}
+        (records if finished else partial).append(rec)
+    for name, rows in (("records.jsonl", records), ("partial.jsonl", partial)):
+        with open(os.path.join(args.out, name), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    with open(os.path.join(args.out, "status.json"), "w") as f:
+        json.dump(status, f, indent=1)
+    for key, s in status.items():
+        print(f"{key}: {s}")
+    return 0
+
+
+def _device() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "cpu"
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+
+
+def record(args) -> int:
+    done = read_results(args.results)
+    added = 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    with open(args.results, "a") as out:
+        for path in args.records:
+            with open(path) as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    r = json.loads(line)
+                    if r["job"] in done:
+                        continue
+                    if r.get("final_val_loss") is None:
+                        raise ValueError(f"{path}: {r['job']} has no final validation loss")
+                    out.write(json.dumps(r) + "\n")
+                    done[r["job"]] = r
+                    added += 1
+    print(f"{added} new job(s) recorded in {args.results}; {len(done)} in all")
+    return 0
+
+
+def as_results(records: Sequence[dict]) -> Dict[str, dict]:
+    """Records in ``convergence_lab``'s shape ({"config@seedS": {"val_loss", "iterations"}}),
+    the final validation loss standing at the schedule's end."""
+    out = {}
+    for r in records:
+        vals = [tuple(v) for v in r["val_loss"] if v[0] != r["iters"]]
+        vals.append((r["iters"], r["final_val_loss"]))
+        out[L.job_name(r["config"], r["seed"])] = {
+            "val_loss": sorted(vals), "iterations": [r["last_iteration"]]}
+    return out
+
+
+def table(args) -> int:
+    records = [r for r in read_results(args.results).values() if r["study"] == args.study]
+    if not records:
+        print(f"no finished job of study {args.study} in {args.results}")
+        return 0
+    order = list(CONFIGS)
+    records.sort(key=lambda r: (order.index(r["config"]), r["seed"]))
+    results = as_results(records)
+    seeds = sorted({r["seed"] for r in records})
+    iters = records[0]["iters"]
+    summ = L.summary(results, seeds, at=iters)
+    print(f"study {args.study}: {len(records)} finished job(s), final validation loss at "
+          f"iteration {iters}, seeds {seeds}\n")
+    print(L.table(summ))
+    if args.plot:
+        L.plot(results, args.plot)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start", help="start the next unfinished jobs, detached")
+    s.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
+    s.add_argument("--jobs", type=int, default=1, help="how many to start now (they share the "
+                   "GPU)")
+    s.add_argument("--only", nargs="*", default=[], choices=list(CONFIGS))
+    s.add_argument("--data-dir", required=True)
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--results", required=True)
+    s.add_argument("--commit", required=True, help="the commit the jobs run")
+    q = sub.add_parser("poll", help="status of the started jobs; records of the finished ones")
+    q.add_argument("--run-dir", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--data-dir", default=None, help="to name the corpus in the records")
+    r = sub.add_parser("record", help="add finished jobs' records to the results file")
+    r.add_argument("--records", nargs="+", required=True)
+    r.add_argument("--results", required=True)
+    t = sub.add_parser("table", help="the study's table (and curves)")
+    t.add_argument("--results", required=True)
+    t.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
+    t.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    try:
+        return {"start": start, "poll": poll, "record": record, "table": table}[args.cmd](args)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(str(e))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

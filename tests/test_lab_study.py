@@ -1,0 +1,85 @@
+"""benchmarks/lab_study.py without training: which jobs run next, a job's record read from its
+log, the results file skipping what it holds, and the study's table of paired gaps."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+import lab_study as S  # noqa: E402
+
+
+def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
+    done = {S.job_key("125m", "zero3", 1234): {}}
+    started = {S.job_key("125m", "all3", 1234): {}}
+    todo = S.pending("125m", done, started)
+    assert todo[:3] == [("qwz+hpz", 1234), ("all3+diff4", 1234), ("zero3+sg", 1234)]
+    assert todo[3] == ("zero3", 1235) and len(todo) == 5 * 3 - 2
+    assert S.pending("350m", {}, {}, only=["all3"]) == [("all3", 1234), ("all3", 1235)]
+
+
+def test_studies_are_the_issues_matrix():
+    small, medium = S.STUDIES["125m"], S.STUDIES["350m"]
+    assert small.iters >= 1500 and len(small.seeds) >= 3
+    assert {"zero3", "qwz+hpz", "all3", "all3+diff4"} <= set(small.configs)
+    assert S.CONFIGS["all3+diff4"][-2:] == ("--zeropp-qwz-diff-bits", "4")
+    assert medium.iters >= 1000 and len(medium.seeds) >= 2 and set(medium.configs) == {
+        "zero3", "all3"}
+
+
+def _fake_job(tmp_path, config, seed, final, iters=20, gap=0.0):
+    """A job directory with a log shaped like pretrain_gpt.py's."""
+    job_dir = tmp_path / "run" / f"smoke_{config}@seed{seed}"
+    job_dir.mkdir(parents=True)
+    lines = []
+    for it in [1] + list(range(10, iters + 1, 10)):
+        lines.append(f" [2026-12-02 08:00:00] iteration {it:8d}/{iters:8d} | elapsed time per "
+                     f"iteration (ms): 300.0 | lm loss: {5.0 - it / 100 + gap:.6E} |")
+        if it % 10 == 0:
+            lines.append(f" validation loss at iteration {it} | lm loss value: "
+                         f"{5.1 - it / 100 + gap:.6E} |")
+    if final is not None:
+        lines.append(f" validation loss at iteration {iters} on validation set | lm loss value: "
+                     f"{final:.6E} |")
+    (job_dir / "train.log").write_text("\n".join(lines) + "\n")
+    return {"study": "smoke", "config": config, "seed": seed, "dir": str(job_dir), "pid": -1,
+            "flags": [], "commit": "abc", "started": 0.0}
+
+
+def test_poll_record_table(tmp_path, capsys):
+    finals = {("zero3", 1234): 4.0, ("zero3", 1235): 4.2, ("all3", 1234): 4.004,
+              ("all3", 1235): None}  # still running or failed: not recorded
+    ledger = {S.job_key("smoke", c, s): _fake_job(tmp_path, c, s, f)
+              for (c, s), f in finals.items()}
+    run = tmp_path / "run"
+    (run / "jobs.json").write_text(json.dumps(ledger))
+    out = tmp_path / "out"
+    assert S.main(["poll", "--run-dir", str(run), "--out", str(out)]) == 0
+    records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    assert sorted(r["job"] for r in records) == sorted(
+        S.job_key("smoke", c, s) for (c, s), f in finals.items() if f is not None)
+    r = next(r for r in records if r["config"] == "zero3" and r["seed"] == 1234)
+    assert r["loss_every_10"] == [[10, 4.9], [20, 4.8]] and r["final_val_loss"] == 4.0
+    assert r["val_loss"] == [[10, 5.0], [20, 4.9]] and r["ms_median"] == 300.0
+    status = json.loads((out / "status.json").read_text())
+    assert status[S.job_key("smoke", "all3", 1235)]["state"] == "failed"  # pid -1: not alive
+    results = tmp_path / "results.jsonl"
+    for _ in range(2):  # the second time everything is already there
+        S.main(["record", "--records", str(out / "records.jsonl"), "--results", str(results)])
+    assert len(results.read_text().splitlines()) == 3
+    assert "0 new job(s)" in capsys.readouterr().out
+    S.main(["table", "--results", str(results), "--study", "smoke"])
+    table = capsys.readouterr().out
+    # all3 seed 1234 against zero3 seed 1234: +0.1 %
+    assert "| all3 | 1234: 4.0040 | 4.0040 | - | +0.100 % |" in table
+
+
+def test_record_refuses_an_unfinished_job(tmp_path):
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(json.dumps({"job": "smoke/all3@seed1", "final_val_loss": None}) + "\n")
+    with pytest.raises(SystemExit):
+        S.main(["record", "--records", str(rec), "--results", str(tmp_path / "res.jsonl")])

@@ -1,0 +1,246 @@
+"""Build the lab study's corpus from English prose that Debian packages ship (no hub download).
+
+The seeded study needs tens of millions of tokens of natural-language text that no one here
+wrote; neither PyPI nor Debian ships a web or book corpus of that size (searched: Gutenberg,
+Wikipedia/wikitext, TinyStories, BookCorpus, OpenWebText, enwik, PG-19 names find only
+downloaders). The largest English prose in Debian's main archive is documentation and one
+dictionary; this tool takes six such packages, each under its own free licence (:data:`PACKAGES`):
+
+    python tools/build_debian_corpus.py --debs /work/corpus/debs --output-dir /work/corpus/lab
+
+It runs ``apt-get download`` for the packages missing from ``--debs``, unpacks each with
+``dpkg-deb -x``, turns its files into documents (reStructuredText, AsciiDoc and POD as they are;
+HTML stripped to text, the dictionary's per-sense source tags dropped), holds out
+``--valid-per-mille`` of the documents by a hash of their ids, trains a SentencePiece BPE
+tokenizer (``--vocab-size``) and writes Megatron ``.bin``/``.idx`` files and a
+``sample_data.json`` manifest (what ``benchmarks/lab_study.py --data-dir`` reads) with the
+packages' versions and licences. The output directory stays outside git; ``--pack`` also
+writes ``lab_data.tar.xz`` (tokens, tokenizer, manifest) small enough to carry to the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import hashlib
+import html.parser
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Callable, Dict, Iterator, List, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+Documents = Iterator[Tuple[str, str]]
+
+
+class _Text(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: List[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("script", "style"):
+            self._skip += 1
+        elif tag in ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "pre", "dt", "dd"):
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in ("script", "style") and self._skip:
+            self._skip -= 1
+
+    def handle_data(self, data):
+        if not self._skip:
+            self.parts.append(data)
+
+
+def html_text(markup: str) -> str:
+    """Visible text of an HTML page, one paragraph per line, blank runs collapsed."""
+    parser = _Text()
+    parser.feed(markup)
+    text = "".join(parser.parts)
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _read(path: str) -> str:
+    opener = gzip.open if path.endswith((".gz", ".dz")) else open  # dictzip is gzip
+    with opener(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _files(root: str, pattern: str, name: str) -> Documents:
+    for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+        text = _read(path)
+        if text.strip():
+            yield f"{name}/{os.path.relpath(path, root)}", text
+
+
+def _kernel(root: str) -> Documents:
+    base = glob.glob(os.path.join(root, "usr/share/doc/linux-doc-*/Documentation"))[0]
+    for pattern in ("**/*.rst.gz", "**/*.rst", "**/*.txt.gz", "**/*.txt"):
+        yield from _files(base, pattern, "linux-doc")
+
+
+def _python(root: str) -> Documents:
+    base = glob.glob(os.path.join(root, "usr/share/doc/python3*/html/_sources"))[0]
+    yield from _files(base, "**/*.txt", "python-doc")
+
+
+def _postgresql(root: str) -> Documents:
+    base = glob.glob(os.path.join(root, "usr/share/doc/postgresql-doc-*/html"))[0]
+    for doc_id, markup in _files(base, "*.html", "postgresql-doc"):
+        text = html_text(markup)
+        if text:
+            yield doc_id, text
+
+
+def _git(root: str) -> Documents:
+    yield from _files(os.path.join(root, "usr/share/doc/git-doc"), "**/*.txt", "git-doc")
+
+
+def _perl(root: str) -> Documents:
+    yield from _files(os.path.join(root, "usr/share/perl"), "**/*.pod", "perl-doc")
+
+
+# The source tag dictd puts after every sense ("[1913 Webster]", "[WordNet 1.5]", ...).
+_GCIDE_SOURCE = re.compile(r"^[ \t]*\[[^\]\n]{1,40}\][ \t]*$", re.MULTILINE)
+
+
+def _gcide(root: str) -> Documents:
+    """The dictionary (dictd's plain-text rendering) as documents of about 20 kB of entries
+    each, without the source tag under every sense."""
+    text = _GCIDE_SOURCE.sub("", _read(os.path.join(root, "usr/share/dictd/gcide.dict.dz")))
+    chunk: List[str] = []
+    size, n = 0, 0
+    for para in re.split(r"\n\s*\n", text):
+        para = para.strip()
+        if not para:
+            continue
+        chunk.append(para)
+        size += len(para)
+        if size > 20_000:
+            yield f"gcide/{n:06d}", "\n\n".join(chunk)
+            chunk, size, n = [], 0, n + 1
+    if chunk:
+        yield f"gcide/{n:06d}", "\n\n".join(chunk)
+
+
+# package: (licence as its Debian copyright file states it, documents)
+PACKAGES: Dict[str, Tuple[str, Callable[[str], Documents]]] = {
+    "linux-doc-6.12": ("GPL-2.0 (the Linux kernel's Documentation/)", _kernel),
+    "dict-gcide": ("GPL-3+ (GNU Collaborative International Dictionary of English: Webster's "
+                   "1913 and WordNet additions)", _gcide),
+    "python3.11-doc": ("PSF-2.0 (Python 3.11 documentation sources)", _python),
+    "postgresql-doc-15": ("PostgreSQL licence (PostgreSQL 15 manual)", _postgresql),
+    "perl-doc": ("GPL-1+ or Artistic (Perl 5.36 POD manuals)", _perl),
+    "git-doc": ("GPL-2.0 (Git manual pages and guides, AsciiDoc)", _git),
+}
+
+
+def fetch(debs: str, download: bool) -> Dict[str, str]:
+    """{package: its .deb in ``debs``}, running ``apt-get download`` for the missing ones."""
+    os.makedirs(debs, exist_ok=True)
+    found = {}
+    for package in PACKAGES:
+        hits = sorted(glob.glob(os.path.join(debs, f"{package}_*.deb")))
+        if not hits and download:
+            subprocess.run(["apt-get", "download", package], cwd=debs, check=True)
+            hits = sorted(glob.glob(os.path.join(debs, f"{package}_*.deb")))
+        if not hits:
+            raise ValueError(f"no {package}_*.deb in {debs} (run without --no-download)")
+        found[package] = hits[-1]
+    return found
+
+
+def _hash(doc_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big")
+
+
+def write_documents(debs: Dict[str, str], out_dir: str, valid_per_mille: int
+                    ) -> Tuple[str, str, Dict[str, dict]]:
+    """Unpack each package and write the train/valid jsonl; per package: documents, bytes."""
+    paths = [os.path.join(out_dir, f"corpus_{s}.jsonl") for s in ("train", "valid")]
+    stats: Dict[str, dict] = {}
+    with open(paths[0], "w") as train, open(paths[1], "w") as valid:
+        for package, deb in debs.items():
+            licence, documents = PACKAGES[package]
+            with tempfile.TemporaryDirectory() as root:
+                subprocess.run(["dpkg-deb", "-x", deb, root], check=True)
+                docs = sorted(documents(root))
+            for doc_id, text in docs:
+                held_out = _hash(doc_id) % 1000 < valid_per_mille
+                (valid if held_out else train).write(
+                    json.dumps({"id": doc_id, "text": text}) + "\n")
+            stats[package] = {"deb": os.path.basename(deb), "licence": licence,
+                              "documents": len(docs), "bytes": sum(len(t) for _, t in docs)}
+            print(f"{package}: {len(docs)} documents, {stats[package]['bytes'] / 1e6:.1f} MB",
+                  flush=True)
+    return paths[0], paths[1], stats
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--debs", required=True, help="where the .deb files are (or go)")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--no-download", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--valid-per-mille", type=int, default=10)
+    p.add_argument("--max-sentences", type=int, default=2_000_000,
+                   help="sentences SentencePiece trains on (sampled)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--pack", action="store_true", help="also write lab_data.tar.xz")
+    args = p.parse_args(argv)
+    from megatron_zeropp.data.documents import iter_documents
+    from megatron_zeropp.data.preprocess import PreprocessConfig, preprocess
+    from megatron_zeropp.data.tokenizer_training import (
+        TokenizerTrainingConfig,
+        train_sentencepiece,
+    )
+
+    out = os.path.abspath(args.output_dir)
+    os.makedirs(out, exist_ok=True)
+    try:
+        debs = fetch(os.path.abspath(args.debs), not args.no_download)
+    except (ValueError, subprocess.CalledProcessError) as e:
+        p.error(str(e))
+    train_jsonl, valid_jsonl, stats = write_documents(debs, out, args.valid_per_mille)
+    model = train_sentencepiece(
+        iter_documents(train_jsonl), os.path.join(out, "tokenizer"),
+        TokenizerTrainingConfig(vocab_size=args.vocab_size, model_type="bpe",
+                                max_sentences=args.max_sentences, num_threads=args.workers))
+    results = {}
+    for split, jsonl in (("train", train_jsonl), ("valid", valid_jsonl)):
+        results[split] = preprocess(PreprocessConfig(
+            input=jsonl, output_prefix=os.path.join(out, f"lab_{split}"),
+            tokenizer_type="SentencePieceTokenizer", tokenizer_model=model, append_eod=True,
+            workers=args.workers, log_interval=10**9))
+    data = {"tokenizer_model": model,
+            "train_data_prefix": results["train"].prefixes["text"],
+            "valid_data_prefix": results["valid"].prefixes["text"],
+            "vocab_size": args.vocab_size,
+            "train_documents": results["train"].documents["text"],
+            "valid_documents": results["valid"].documents["text"],
+            "train_tokens": results["train"].tokens["text"],
+            "valid_tokens": results["valid"].tokens["text"]}
+    with open(os.path.join(out, "sample_data.json"), "w") as f:
+        json.dump({"data": data, "packages": stats}, f, indent=1)
+    print(json.dumps(data, indent=1))
+    if args.pack:
+        names = ["sample_data.json", os.path.basename(model)] + [
+            os.path.basename(data[k]) + ext for k in ("train_data_prefix", "valid_data_prefix")
+            for ext in (".bin", ".idx")]
+        subprocess.run(["tar", "cJf", "lab_data.tar.xz"] + names, cwd=out, check=True)
+        print(f"packed {os.path.join(out, 'lab_data.tar.xz')}: "
+              f"{os.path.getsize(os.path.join(out, 'lab_data.tar.xz')) / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
