@@ -31,6 +31,10 @@ if not os.path.isdir(SNAPSHOTS):  # a worktree sits beside the main checkout
     SNAPSHOTS = "/work/shared/megatron-lm"
 RELEASES = ("core_v0.16.1", "core_v0.19.0")
 
+# The per-rank state of the layer, beside Megatron-LM's torch_dist checkpoints: one call each.
+CHECKPOINT_CALLS = ["from megatron_zeropp import megatron_lm as zeropp",
+                    "zeropp.save_rank_state(checkpoint_name, model)",
+                    "zeropp.load_rank_state(checkpoint_name, ddp_model, iteration,"]
 # The calls each patched file must make (file -> substrings), per tag.
 CALLS = {
     "core_v0.16.1": {
@@ -41,6 +45,7 @@ CALLS = {
             "DP = zeropp.data_parallel(args)",
             "(zeropp.get_optimizer if zeropp.enabled(args) else get_megatron_optimizer)(",
             "(megatron_FSDP, DDP, zeropp.ZeroPPDataParallel)"],
+        "megatron/training/checkpointing.py": CHECKPOINT_CALLS,
     },
     "core_v0.19.0": {
         "pretrain_gpt.py": ["from megatron_zeropp import megatron_lm as zeropp",
@@ -53,6 +58,7 @@ CALLS = {
             "(megatron_FSDP, DDP, zeropp.ZeroPPDataParallel)"],
         "megatron/training/models/dist_utils.py": [
             "from megatron_zeropp import megatron_lm as zeropp", "DP = zeropp.data_parallel()"],
+        "megatron/training/checkpointing.py": CHECKPOINT_CALLS,
     },
 }
 
@@ -236,7 +242,6 @@ def test_check_args_notes_what_it_turns_off(monkeypatch):
     ("save_wgrads_interval", 10, "--save-wgrads-interval"),
     ("log_params_norm", True, "--log-params-norm"),
     ("check_weight_hash_across_dp_replicas_interval", 5, "weights are sharded"),
-    ("zeropp_qgz_fraction", 0.5, "--zeropp-qgz-fraction 0.5: needs the loop"),
     ("zeropp_ranks_per_node", 3, "--zeropp-ranks-per-node: ranks_per_node 3 does not divide"),
 ])
 def test_check_args_refuses(setting, value, message):

@@ -9,12 +9,14 @@ GLOBAL_BATCH = 8
 MICRO = 2
 
 
-def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=torch.float32):
+def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=torch.float32,
+          train_iters=None):
     """Model + DP wrapper + optimizer for ``impl`` in {"megatron", "zeropp"}.
 
     A ``zeropp`` config left at the default ``small_param_threshold`` gets
     ``tiny_gpt.TINY_THRESHOLD`` instead: at the default every parameter of the tiny GPT would
-    travel exactly and the quantized paths would go untested."""
+    travel exactly and the quantized paths would go untested. ``train_iters``: for the layer's
+    qgZ cutoff (``qgz_fraction`` < 1)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from megatron_zeropp.optimizer import get_zeropp_optimizer
@@ -41,7 +43,7 @@ def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=
 
         wrapped = ZeroPPDataParallel(
             config, DistributedDataParallelConfig(**ddp_kwargs), module,
-            ctx.topology(tp, pp), zeropp,
+            ctx.topology(tp, pp), zeropp, train_iters=train_iters,
         )
         optimizer = get_zeropp_optimizer(opt_cfg, [wrapped])
     T.wire_schedule_hooks(config, wrapped, optimizer)
@@ -68,8 +70,6 @@ def train(wrapped, optimizer, steps, data_seed=0, micro=MICRO, global_batch=GLOB
         raise ValueError(f"global batch {global_batch} not divisible by {micro} x DP {dp_size}")
     out = []
     for i, batch in enumerate(T.global_batches(steps, global_batch, seed=data_seed)):
-        if hasattr(wrapped, "set_training_progress"):
-            wrapped.set_training_progress(i, steps)
         it = T.microbatches(batch, dp_rank, dp_size, micro)
         r = train_step([wrapped], optimizer, it, global_batch // (micro * dp_size), T.SEQ, micro,
                        dp_group, pp_group)

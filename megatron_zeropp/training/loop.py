@@ -181,7 +181,7 @@ def _load(args, load_iteration, chunks, optimizer, scheduler):
         load_optim=not (args.no_load_optim or finetune),
         load_rng=not (args.no_load_rng or finetune),
         override_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, finetune=finetune)
     _log(f"> loaded checkpoint of iteration {iteration} from {args.load}"
          + (" (--finetune: weights only, starting at iteration 0)" if finetune else ""))
     return (0, 0) if finetune else (iteration, consumed)
@@ -339,8 +339,6 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         evals_done = 0
     while iteration < args.train_iters and not args.skip_train:
         profiler.before_iteration(iteration)
-        if hasattr(model, "set_training_progress"):
-            model.set_training_progress(iteration, args.train_iters)
         batch = ramp.global_batch(consumed)
         start = time.perf_counter()
         result = train_step(chunks, optimizer, train_it, batch // ramp.per_step, args.seq_length,

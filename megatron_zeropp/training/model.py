@@ -106,7 +106,8 @@ def wrap_data_parallel(args, config, model, topology, process_groups=None):
         from megatron_zeropp.sharding import ZeroPPDataParallel
 
         wrapped = ZeroPPDataParallel(
-            config, ddp_config(args), model, topology, zeropp_config(args), process_groups
+            config, ddp_config(args), model, topology, zeropp_config(args), process_groups,
+            train_iters=args.train_iters,
         )
     wire_schedule_hooks(config, wrapped)
     return wrapped
