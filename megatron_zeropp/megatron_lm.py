@@ -28,6 +28,7 @@ import dataclasses
 import os
 from typing import Callable, List, Optional
 
+from megatron_zeropp.sharding import support
 from megatron_zeropp.sharding.config import ZeroPPConfig
 from megatron_zeropp.sharding.config_flags import PREFIX, add_zeropp_flags, config_from_args
 from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
@@ -42,13 +43,13 @@ def add_arguments(parser):
     """Add the ``--zeropp-*`` flags to Megatron-LM's parser and return it (an
     ``extra_args_provider``). One flag per :class:`ZeroPPConfig` field, generated from the
     dataclass so the two never drift; plus ``--zeropp-zero3`` (plain ZeRO-3, no ZeRO++
-    technique) and ``--zeropp-ranks-per-node``."""
+    technique) and the node size ``--ranks-per-node``, spelled as this project's
+    ``pretrain_gpt.py`` spells it (Megatron-LM has no such flag)."""
     g = parser.add_argument_group("ZeRO++ (megatron_zeropp)")
     g.add_argument("--zeropp-zero3", action="store_true",
                    help="use the ZeRO-3 layer (weights, gradients and optimizer state sharded "
                         "over the data-parallel group) without qwZ/hpZ/qgZ")
-    g.add_argument("--zeropp-ranks-per-node", type=int, default=None,
-                   help="ranks per node for hpZ/qgZ; default LOCAL_WORLD_SIZE from torchrun")
+    support.add_node_size_flag(g)
     add_zeropp_flags(g)
     return parser
 
@@ -78,9 +79,8 @@ def zeropp_config(args) -> ZeroPPConfig:
 
 
 def ranks_per_node(args, world_size: int) -> int:
-    """``--zeropp-ranks-per-node``, else torchrun's LOCAL_WORLD_SIZE, else the whole world."""
-    rpn = getattr(args, PREFIX + "ranks_per_node", None)
-    return rpn if rpn is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """``--ranks-per-node``, else torchrun's LOCAL_WORLD_SIZE, else the whole world."""
+    return support.ranks_per_node(getattr(args, "ranks_per_node", None), world_size)
 
 
 def _refusals(args) -> List[str]:
@@ -149,18 +149,14 @@ def check_args(args, write=print) -> List[str]:
         errors.append(str(e))
         config = None
     world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        topology = build_topology(world, args.tensor_model_parallel_size,
-                                  args.pipeline_model_parallel_size,
-                                  getattr(args, "context_parallel_size", 1),
-                                  ranks_per_node(args, world))
-        if config is not None and config.hpz:
-            topology.hpz_groups(config.hpz_partition_size)
-    except ValueError as e:
-        flag = "--zeropp-hpz-partition-size" if "hpZ" in str(e) else "--zeropp-ranks-per-node"
-        errors.append(f"{flag}: {e}")
+    layout = (world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+              getattr(args, "context_parallel_size", 1))
+    hpz = getattr(args, PREFIX + "hpz", False)
+    errors += support.layout_errors(*layout, getattr(args, "ranks_per_node", None), hpz,
+                                    getattr(args, PREFIX + "hpz_partition_size", None))
     if errors:
         raise ValueError("ZeRO++: " + "; ".join(errors))
+    topology = build_topology(*layout, ranks_per_node(args, world))
     notes = []
     if args.overlap_param_gather:
         args.overlap_param_gather = False

@@ -142,14 +142,6 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def _single_optimizer(optimizer):
-    opts = list(distributed_optimizers(optimizer))
-    if len(opts) != 1:
-        raise ValueError(f"torch_dist checkpoints support one distributed optimizer, got "
-                         f"{len(opts)} (a ChainedOptimizer)")
-    return opts[0]
-
-
 def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
     """The ``model`` (``model0``...) and ``optimizer`` entries, as Megatron-LM's
     ``generate_state_dict`` asks for them: each chunk's and the optimizer's

@@ -337,7 +337,7 @@ class ZeroPPDataParallel(BaseDataParallel):
             if not unit.grad_ready(param):
                 return
             overlap = bool(self.ddp_config.overlap_grad_reduce)
-            if self.zeropp.shard_grads:
+            if unit.grads.reduces_every_microbatch:
                 self._start_grad_reduce(unit, async_op=overlap)
             elif overlap and self._last_microbatch:
                 self._start_grad_reduce(unit, async_op=True)
@@ -375,8 +375,7 @@ class ZeroPPDataParallel(BaseDataParallel):
             # Leftovers: no overlap, or parameters without a gradient this step.
             self._start_grad_reduce(unit, async_op=False)
             unit.finish_grad_reduce()
-            if self.zeropp.shard_grads:
-                unit.point_main_grads_at_shards()
+            unit.grads_synced()
         self.release_all()
         self.comm.check_stale()
         if self.clock.measure_qgz_error:

@@ -40,6 +40,7 @@ from megatron_zeropp.comm.segments import param_segments
 from .diff_reference import DiffReference
 from .shard_comm import ShardComm
 from .shard_map import ParamShard, ShardMap
+from .unit_grads import FullGradients, ShardedGradients
 
 
 def bucket_segments(buffers, exact_below: int) -> List[tuple]:
@@ -95,18 +96,8 @@ class ShardedUnit:
         # those below the threshold travel exactly. Param and grad buckets share the layout.
         self.segments = bucket_segments(buffers, comm.config.small_param_threshold)
         self.bucket_ids = [comm.clock.register_bucket() for _ in self.buckets]
-        self.shard_grads = comm.config.shard_grads
-        self.grad_shards: List[torch.Tensor] = []
-        if self.shard_grads:
-            self.grad_shards = [
-                torch.zeros(b.grad_data.numel() // z, dtype=torch.float32,
-                            device=b.grad_data.device)
-                for b in self.buckets
-            ]
-            self._grad_nbytes = [buf.grad_data.untyped_storage().nbytes() for buf in buffers]
-            self._full_main_grads = {p: p.main_grad for p in self.params}
-            self._shard_main_grads = self.chunk_views(self.grad_shards)
-            self._free_grads()
+        # Chosen once: megatron-core's full gradient buffers, or fp32 gradient shards.
+        self.grads = (ShardedGradients if comm.config.shard_grads else FullGradients)(self)
         # qgZ error feedback: one residual per bucket (allocated by its first qgZ reduction).
         self._qgz_residuals: Optional[List[QgzResidual]] = (
             [QgzResidual() for _ in self.buckets] if comm.config.qgz_error_feedback else None
@@ -121,9 +112,6 @@ class ShardedUnit:
         self.users = 0
         self.in_backward = False  # acquired by a backward pass, released by its last grad
         self.grads_pending: set = set()
-        self._grads_live = False  # shard_grads: full grads allocated, not yet reduced
-        self._grads_reduced = False  # full buffers: this step's reduction was issued
-        self._grad_handle = None
 
     # -- weight storage --------------------------------------------------------------------
     def _alloc(self) -> None:
@@ -333,14 +321,13 @@ class ShardedUnit:
         self.ensure(version, "backward")
         self.in_backward = True
         self.grads_pending = {p for p in self.params if p.requires_grad}
-        if self.shard_grads:
-            self._alloc_grads()
+        self.grads.begin_backward()
         return True
 
     def grad_ready(self, param) -> bool:
         """``param``'s gradient of this backward is in ``main_grad``. Returns True when it was
-        the last one: the weights are released (if no forward uses them) and, with
-        ``shard_grads``, the caller reduces the unit's gradients."""
+        the last one: the weights are released (if no forward uses them) and the caller may
+        reduce the unit's gradients (:attr:`.unit_grads.FullGradients.reduces_every_microbatch`)."""
         self.grads_pending.discard(param)
         if not self.in_backward or self.grads_pending:
             return False
@@ -350,7 +337,7 @@ class ShardedUnit:
             self.in_backward = False
         return True
 
-    # -- sharded gradients ------------------------------------------------------------------
+    # -- this rank's chunks ------------------------------------------------------------------
     def _chunk_ranges(self):
         """(parameter, bucket index k, [lo, hi) in the parameter, offset of lo in chunk k) for
         every parameter: its part of chunk r of its bucket (empty when it lies outside)."""
@@ -374,121 +361,43 @@ class ShardedUnit:
 
     def shard_map(self) -> ShardMap:
         """This rank's :class:`ParamShard` of every parameter of the unit."""
-        grads = self.chunk_views(self.grad_shards) if self.shard_grads else {}
+        grads = self.grads.shard_views()
         return {p: ParamShard(lo, hi, self.shards[k][at : at + hi - lo], grads.get(p))
                 for p, k, (lo, hi), at in self._chunk_ranges()}
 
-    def _alloc_grads(self) -> None:
-        self.finish_grad_reduce()  # the previous micro-batch's reduction read these buffers
-        if self._grads_live:
-            return  # gradients of an unfinished backward (unused params): keep accumulating
-        for buf, nbytes in zip(self.buffers, self._grad_nbytes):
-            buf.grad_data.untyped_storage().resize_(nbytes)
-            buf.grad_data.zero_()
-        for p in self.params:
-            p.main_grad = self._full_main_grads[p]
-        self._grads_live = True
-
-    def _free_grads(self) -> None:
-        for buf in self.buffers:
-            buf.grad_data.untyped_storage().resize_(0)
+    # -- gradients (the unit's strategy: .grads) ---------------------------------------------
+    @property
+    def grad_shards(self) -> List[torch.Tensor]:
+        """This rank's fp32 gradient chunk of every bucket (``shard_grads``; else empty)."""
+        return self.grads.shards
 
     def reduction_pending(self) -> bool:
-        """Whether :meth:`start_grad_reduce` would issue a reduction now (gradients of this
-        micro-batch with ``shard_grads``; of this step, not yet reduced, otherwise)."""
-        return self._grads_live if self.shard_grads else not self._grads_reduced
+        """Whether :meth:`start_grad_reduce` would issue a reduction now."""
+        return self.grads.pending()
 
     def start_grad_reduce(self, async_op: bool) -> None:
         """Scale and reduce-scatter this unit's gradients (every DP rank issues the same calls in
         the same order: units reduce as their backward ends, leftovers in
-        :meth:`ZeroPPDataParallel.finish_grad_sync`).
-
-        Full buffers: the step's accumulated gradients, once per step, into chunk r of each
-        bucket's grad buffer in place (where megatron-core's distributed optimizer reads its
-        shard). ``shard_grads``: this micro-batch's gradients, added in fp32 into the gradient
-        shard; the full gradients are then freed (on CUDA at once: the lane keeps them alive;
-        on CPU after the reduction finished).
-        """
-        if self.shard_grads:
-            self._reduce_into_shards(async_op)
-            return
-        if self._grads_reduced:
-            return
-        self._grads_reduced = True
-        z, r = self.comm.dp_size, self.comm.dp_rank
-        handles = []
-        for i, bucket in enumerate(self.buckets):
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
-            if z == 1:
-                continue
-            n = bucket.grad_data.numel() // z
-            handle = self.comm.reduce_gradients(
-                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op,
-                key=self.name, residual=self.qgz_residual(i), segments=self.segments[i],
-                bucket_id=self.bucket_ids[i])
-            if handle is not None:
-                handles.append(handle)
-        self._grad_handle = handles or None
-
-    def _reduce_into_shards(self, async_op: bool) -> None:
-        if not self._grads_live:
-            return
-        self.finish_grad_reduce()
-        handles = []
-        for i, (bucket, shard) in enumerate(zip(self.buckets, self.grad_shards)):
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
-            handles.append(self.comm.reduce_and_accumulate(
-                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i),
-                segments=self.segments[i], bucket_id=self.bucket_ids[i]))
-        self._grads_live = False
-        handles = [h for h in handles if h is not None]
-        on_cuda = self.buckets[0].grad_data.device.type == "cuda"
-        if on_cuda or not handles:
-            self._free_grads()
-            self._grad_handle = handles or None
-        else:
-            self._grad_handle = handles
+        :meth:`ZeroPPDataParallel.finish_grad_sync`), as the unit's gradient strategy does
+        (:mod:`.unit_grads`)."""
+        self.grads.start_reduce(async_op)
 
     def finish_grad_reduce(self) -> None:
         """Wait for this unit's gradient reduction in flight (stream wait on CUDA)."""
-        if self._grad_handle is None:
-            return
-        handles, self._grad_handle = self._grad_handle, None
-        for h in handles:
-            h.wait()
-        if self.shard_grads and not self._grads_live:
-            self._free_grads()
+        self.grads.finish_reduce()
 
-    def point_main_grads_at_shards(self) -> None:
-        """After the step's last reduction: ``main_grad`` = this rank's fp32 shard slice, so
-        ``finalize_model_grads``' TP/PP all-reduces and the optimizer read the shard."""
-        for p in self.params:
-            p.main_grad = self._shard_main_grads[p]
+    def grads_synced(self) -> None:
+        """After the step's last reduction: ``main_grad`` points where the optimizer reads
+        the reduced gradients."""
+        self.grads.synced()
 
     def zero_grads(self) -> None:
-        """Zero this unit's gradients (start of a step): the fp32 shards with ``shard_grads``
-        (and ``main_grad`` back on the full views), megatron-core's buffers otherwise."""
-        self.finish_grad_reduce()
-        if not self.shard_grads:
-            for buf in self.buffers:
-                buf.reset()
-            self._grads_reduced = False
-            return
-        for g in self.grad_shards:
-            g.zero_()
-        for p in self.params:
-            p.main_grad = self._full_main_grads[p]
+        """Zero this unit's gradients (start of a step)."""
+        self.grads.zero()
 
     def scale_grads(self, factor: float) -> None:
         """Scale this unit's (reduced) gradients, wherever they live."""
-        if not self.shard_grads:
-            for buf in self.buffers:
-                buf.scale_gradients(factor)
-            return
-        for g in self.grad_shards:
-            g.mul_(factor)
+        self.grads.scale(factor)
 
     # -- weight updates outside the optimizer ----------------------------------------------
     def write_back(self) -> None:

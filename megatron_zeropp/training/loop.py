@@ -19,6 +19,8 @@ from megatron_zeropp.checkpointing import dist as checkpoint_dist
 from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.errors import StartupError
+from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
+from megatron_zeropp.sharding.support import ranks_per_node
 from megatron_zeropp.topology import build_topology
 from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
@@ -278,7 +280,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     init_megatron(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size, args.seed)
     warm_up_as_megatron_lm(args, args.tensor_model_parallel_size, default_device())
-    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    rpn = ranks_per_node(args.ranks_per_node, world)
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
     tokenizer, (train_ds, valid_ds, test_ds) = _setup_data(args, tokenizer_args)
@@ -302,7 +304,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                                topology)
     chunks = [model]
     optimizer, scheduler = build_optimizer(args, chunks)
-    if rank == 0 and hasattr(model, "zeropp"):
+    layer = model if isinstance(model, ZeroPPDataParallel) else None  # else megatron-core's DDP
+    if rank == 0 and layer is not None:
         print(f"> data-parallel layer: {model.zeropp.describe()}, {len(model.units)} units",
               flush=True)
     iteration, consumed = _load(args, load_iteration, chunks, optimizer, scheduler)
@@ -329,8 +332,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
     # (on an exception the handlers stay: the process is ending)
     signals = SignalExit(args.exit_signal_handler)
     evals_done = iteration // args.eval_interval
-    if hasattr(model, "comm_counts"):
-        model.comm_counts(reset=True)
+    if layer is not None:
+        layer.comm_counts(reset=True)
     profiler = IterationProfiler(args, rank)
     if args.skip_train:
         # Megatron-LM's --skip-train: evaluate the loaded weights and stop; its validation
@@ -358,7 +361,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                          dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += batch
         # A collective on measured iterations (every DP rank), nothing on the others.
-        qgz_error = model.qgz_error_report() if hasattr(model, "qgz_error_report") else None
+        qgz_error = layer.qgz_error_report() if layer is not None else None
         if qgz_error is not None:
             history["qgz_error"].append((iteration, qgz_error["total"]))
             if rank == 0 and args.zeropp_qgz_error_log:
@@ -373,8 +376,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
             stats.loss_count += 1
         elif not numpy.isfinite(result.loss):
             stats.nan += 1
-        if hasattr(model, "comm_counts"):
-            stats.add_bytes(model.comm_counts(reset=True))
+        if layer is not None:
+            stats.add_bytes(layer.comm_counts(reset=True))
         if len(history["iterations"]) == 0:
             # After the first step every persistent tensor exists (Adam's moments are created
             # lazily by it) and every transient one is freed: what stays is what a step keeps.
@@ -410,8 +413,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
             val = _evaluate(chunks, args, valid_ds, dp_group, pp_group, evals_done, nmb, device)
             evals_done += 1
             collector.eval_boundary()
-            if hasattr(model, "comm_counts"):
-                model.comm_counts(reset=True)  # evaluation traffic is not training traffic
+            if layer is not None:
+                layer.comm_counts(reset=True)  # evaluation traffic is not training traffic
             if val is not None:
                 history["val_loss"].append((iteration, val))
                 board.validation(iteration, consumed, val)
