@@ -274,12 +274,13 @@ def data_parallel(args=None, write=print) -> Callable:
             state["topology"] = topology
             state["groups"] = build_process_groups(topology, zero_config.hpz_partition_size,
                                                    dp_group=dp_group)
+            # the qgZ cutoff, counted once (Megatron-LM's microbatch calculator exists now)
+            state["train_iters"] = train_iters(args) if zero_config.qgz_fraction < 1 else None
         if ddp_config.overlap_param_gather:
             ddp_config = dataclasses.replace(ddp_config, overlap_param_gather=False)
             if dist.get_rank() == 0:
                 write("> ZeRO++ note: overlap_param_gather off (the layer gathers weights "
                       "itself, with prefetch)", flush=True)
-            state["train_iters"] = train_iters(args) if zero_config.qgz_fraction < 1 else None
         return MegatronLMZeroPP(config, ddp_config, module, state["topology"], zero_config,
                                 state["groups"], train_iters=state["train_iters"])
 
