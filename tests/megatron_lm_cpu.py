@@ -50,7 +50,8 @@ BASE = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-h
         "--no-gradient-accumulation-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion "
         "--no-bias-dropout-fusion "
         "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --log-interval 1 "
-        "--eval-iters 0 --eval-interval 1000 --seed 1234 --distributed-backend gloo --num-workers 0").split()
+        "--eval-iters 0 --eval-interval 1000 --seed 1234 --distributed-backend gloo "
+        "--num-workers 0").split()
 
 
 # megatron-core modules only Megatron-LM's loop uses (its timers synchronize CUDA), beyond those

@@ -197,3 +197,52 @@ def test_without_a_machine_every_zero_grad_buffer_begins_an_iteration():
     rsm.destroy_rerun_state_machine()
     assert reruns_current_iteration() is False
     assert rsm._GLOBAL_RERUN_STATE_MACHINE is None  # not created by the question
+
+
+# -- a rerun in place through the layer: the same gradients, error feedback included -------------
+def _rerun_in_layer(ctx, keep_start):
+    import tiny_gpt as T
+    import torch
+    from megatron.core import rerun_state_machine as rsm
+    from zero3_runs import build
+
+    from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
+    from megatron_zeropp.training.gpt_step import run_microbatches
+
+    if not keep_start:  # negative control: the residuals the first run left stay for the rerun
+        ZeroPPDataParallel._keep_iteration_start = lambda self, rerun: None
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp",
+                                  ZeroPPConfig(qgz=True, qgz_error_feedback=True))
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
+    machine = rsm.get_rerun_state_machine()
+    dp = T.groups()[0]
+    grads = []
+    for i, batch in enumerate(T.global_batches(2, 4 * ctx.world_size, seed=0)):
+        runs = []
+        while machine.should_run_forward_backward(None):
+            wrapped.zero_grad_buffer()
+            optimizer.zero_grad()
+            run_microbatches([wrapped], T.microbatches(batch, dp.rank(), dp.size(), 2), 2, T.SEQ,
+                             2, False)
+            runs.append([b.grad_data.clone() for u in wrapped.units for b in u.buckets])
+            machine.validate_result(result=torch.tensor(1.0), rejection_func=lambda _, i=i: i == 1,
+                                    message="test", tolerance=0.0, fatal=False)
+        machine.first_iteration_complete = True
+        optimizer.step()
+        grads.append(runs)
+    rsm.destroy_rerun_state_machine()
+    return grads
+
+
+@pytest.mark.slow  # two 2-rank runs: CI's second pass
+def test_a_rerun_in_place_reduces_as_the_initial_run_with_error_feedback():
+    from megatron_zeropp.simulated_nodes import run_distributed
+
+    kept = run_distributed(_rerun_in_layer, 2, 1, args=(True,))[0]
+    assert [len(runs) for runs in kept] == [1, 2]  # iteration 1 rejected and re-run
+    initial, rerun = kept[1]
+    assert all(a.equal(b) for a, b in zip(initial, rerun))
+    # Negative control: without giving the rerun the residuals its iteration started with, it
+    # reduces other gradients than the run it checks.
+    lost = run_distributed(_rerun_in_layer, 2, 1, args=(False,))[0]
+    assert not all(a.equal(b) for a, b in zip(*lost[1]))

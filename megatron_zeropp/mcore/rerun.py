@@ -19,3 +19,13 @@ def reruns_current_iteration() -> bool:
 
     machine = rsm._GLOBAL_RERUN_STATE_MACHINE
     return machine is not None and machine.state == rsm.RerunState.RERUNNING_IN_PLACE
+
+
+def may_rerun_iterations() -> bool:
+    """Whether megatron-core's rerun state machine exists and may re-run an iteration in place
+    (any mode but ``DISABLED``: ``validate_results``, ``report_determinism_stats``). Checked:
+    0.16.1, 0.19.1 (``_GLOBAL_RERUN_STATE_MACHINE``, ``RerunMode``)."""
+    from megatron.core import rerun_state_machine as rsm
+
+    machine = rsm._GLOBAL_RERUN_STATE_MACHINE
+    return machine is not None and machine.mode != rsm.RerunMode.DISABLED

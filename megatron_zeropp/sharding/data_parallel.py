@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_zeropp.comm import drain
 from megatron_zeropp.mcore.buffers import BaseDataParallel
-from megatron_zeropp.mcore.rerun import reruns_current_iteration
+from megatron_zeropp.mcore.rerun import may_rerun_iterations, reruns_current_iteration
 from megatron_zeropp.topology import ProcessGroups, Topology, build_process_groups
 
 from . import rank_state
@@ -171,6 +171,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         self.comm = ShardComm(zeropp, groups, topology, self.clock)
         self._qgz_error: Optional[dict] = None  # the last measured iteration's report
         self._rank_state_loaded = True  # False from load_state_dict to load_rank_state
+        self._residuals_at_start = None  # qgZ residuals as this iteration found them (reruns)
         self.weight_version = 0
         self.overlap_param_gather_with_optimizer_step = False
         self._last_microbatch = True  # False inside no_sync(): gradients only accumulate
@@ -409,9 +410,25 @@ class ZeroPPDataParallel(BaseDataParallel):
             unit.zero_grads()  # waits for reductions in flight: they read the clock
         if not self._rank_state_loaded:
             self._note_missing_rank_state()
-        self.clock.begin_iteration(rerun=reruns_current_iteration())
+        rerun = reruns_current_iteration()
+        self.clock.begin_iteration(rerun=rerun)
+        self._keep_iteration_start(rerun)
         if self.clock.measure_qgz_error:
             self.comm.qgz_error.reset()
+
+    def _keep_iteration_start(self, rerun: bool) -> None:
+        """While megatron-core's rerun state machine may re-run an iteration in place, keep the
+        qgZ residuals as the iteration found them, and give them back to a rerun: it then
+        reduces exactly as the run it checks."""
+        if not self.zeropp.qgz_error_feedback:
+            return
+        if rerun and self._residuals_at_start is not None:
+            for unit, states in zip(self.units, self._residuals_at_start):
+                unit.load_qgz_residual_states(states)
+        elif may_rerun_iterations():
+            self._residuals_at_start = [unit.qgz_residual_states() for unit in self.units]
+        else:
+            self._residuals_at_start = None
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale all gradients by ``scaling_factor``."""
