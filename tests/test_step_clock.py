@@ -246,3 +246,52 @@ def test_a_rerun_in_place_reduces_as_the_initial_run_with_error_feedback():
     # reduces other gradients than the run it checks.
     lost = run_distributed(_rerun_in_layer, 2, 1, args=(False,))[0]
     assert not all(a.equal(b) for a, b in zip(*lost[1]))
+
+
+# -- the layer's per-rank state: handed out, taken back, refused at another layout -------------
+def _rank_state_round_trip(ctx):
+    import contextlib
+    import io
+
+    from zero3_runs import build
+
+    _, wrapped, _ = build(ctx, 1, 1, "zeropp", ZeroPPConfig(qgz=True, qgz_error_feedback=True))
+    for _ in range(3):
+        wrapped.zero_grad_buffer()
+    state = wrapped.rank_state()
+    out = {"clock": state["clock"], "layout": state["layout"]}
+
+    def printed(call):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            call()
+        return text.getvalue()
+
+    # Weights loaded and no per-rank state after them: the next step says so (DP rank 0).
+    wrapped.load_state_dict(wrapped.state_dict())
+    out["note"] = printed(wrapped.zero_grad_buffer)
+    out["again"] = printed(wrapped.zero_grad_buffer)  # once
+    wrapped.load_state_dict(wrapped.state_dict())
+    wrapped.load_rank_state(state, iterations_done=3)
+    out["after_take_back"] = printed(wrapped.zero_grad_buffer)
+    out["iteration"] = wrapped.clock.iteration
+    other = {**state, "layout": {**state["layout"], "dp_size": 4, "chunk_index": 1}}
+    try:
+        wrapped.load_rank_state(other, iterations_done=3)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_rank_state_is_taken_back_and_a_load_without_it_is_said():
+    from megatron_zeropp.simulated_nodes import run_distributed
+
+    for rank, out in enumerate(run_distributed(_rank_state_round_trip, 1, 2)):
+        assert out["clock"] == {"iterations_begun": 3, "weight_updates": 0}
+        assert out["layout"]["dp_rank"] == rank and out["layout"]["qgz_error_feedback"]
+        note = "weights loaded without the layer's per-rank state"
+        assert (note in out["note"]) == (rank == 0) and out["again"] == ""
+        assert out["after_take_back"] == "" and out["iteration"] == 3
+        assert out["refused"] == ("ZeRO++ per-rank state of another layout: chunk_index: saved "
+                                  "1, here 0; dp_size: saved 4, here 2")
