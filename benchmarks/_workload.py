@@ -179,7 +179,7 @@ def measure_volume(ctx, names: List[str], spec: ModelSpec, iterations: int = 2) 
     return out
 
 
-def timed_iteration(built: Built, spec: ModelSpec, step: int, total: int) -> float:
+def timed_iteration(built: Built, spec: ModelSpec, step: int) -> float:
     """Seconds for one iteration, between two barriers (so it is the slowest rank's time)."""
     import torch.distributed as dist
 
