@@ -275,6 +275,17 @@ def _rank_state_round_trip(ctx):
     wrapped.load_rank_state(state, iterations_done=3)
     out["after_take_back"] = printed(wrapped.zero_grad_buffer)
     out["iteration"] = wrapped.clock.iteration
+    # The checkpointing module: one file per rank for a list of chunks, refused for another
+    # number of chunks.
+    from megatron_zeropp.checkpointing import rank_state as files
+
+    files.save(ctx.scratch_dir, [wrapped])
+    try:
+        files.load(ctx.scratch_dir, [wrapped, wrapped], 3)
+        out["chunks_refused"] = None
+    except ValueError as e:
+        out["chunks_refused"] = str(e)
+    out["loaded"] = files.load(ctx.scratch_dir, [wrapped], 3)
     other = {**state, "layout": {**state["layout"], "dp_size": 4, "chunk_index": 1}}
     try:
         wrapped.load_rank_state(other, iterations_done=3)
@@ -295,3 +306,6 @@ def test_rank_state_is_taken_back_and_a_load_without_it_is_said():
         assert out["after_take_back"] == "" and out["iteration"] == 3
         assert out["refused"] == ("ZeRO++ per-rank state of another layout: chunk_index: saved "
                                   "1, here 0; dp_size: saved 4, here 2")
+        assert out["chunks_refused"].endswith("holds the ZeRO++ state of model chunks [0], this "
+                                              "run has chunks [0, 1]")
+        assert out["loaded"] is True
