@@ -164,7 +164,6 @@ def measure_volume(ctx, names: List[str], spec: ModelSpec, iterations: int = 2) 
     for name in names:
         built = build(topology, name, CONFIGS[name], spec)
         for i in range(iterations):
-            built.wrapped.set_training_progress(i, iterations)
             built.wrapped.comm_counts(reset=True)
             result = train_iteration(built, spec, i)
         counts = built.wrapped.comm_counts(reset=True)
@@ -180,11 +179,10 @@ def measure_volume(ctx, names: List[str], spec: ModelSpec, iterations: int = 2) 
     return out
 
 
-def timed_iteration(built: Built, spec: ModelSpec, step: int, total: int) -> float:
+def timed_iteration(built: Built, spec: ModelSpec, step: int) -> float:
     """Seconds for one iteration, between two barriers (so it is the slowest rank's time)."""
     import torch.distributed as dist
 
-    built.wrapped.set_training_progress(step, total)
     dist.barrier()
     start = time.perf_counter()
     train_iteration(built, spec, step)

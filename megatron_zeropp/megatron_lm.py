@@ -10,10 +10,14 @@ this module; nothing else of Megatron-LM changes::
                                                               core_v0.19.0: also dist_utils.py)
                           isinstance(model[0], (..., zeropp.ZeroPPDataParallel))  (no_sync wiring)
                           (zeropp.get_optimizer if zeropp.enabled(args) else get_megatron_optimizer)
+    checkpointing.py      zeropp.save_rank_state(checkpoint_name, model)   (torch_dist save)
+                          zeropp.load_rank_state(checkpoint_name, ddp_model, iteration, ...)
 
-Checkpoints need no patch: Megatron-LM's ``unwrap_model`` takes off DDP, FSDP and Float16Module
-only, so its save asks the ZeRO layer (and the layer's optimizer) for ``sharded_state_dict`` and
-its load calls their ``load_state_dict`` / ``reload_model_params``, which answer with the shards.
+Megatron-LM's ``unwrap_model`` takes off DDP, FSDP and Float16Module only, so its save asks the
+ZeRO layer (and the layer's optimizer) for ``sharded_state_dict`` and its load calls their
+``load_state_dict`` / ``reload_model_params``, which answer with the shards; the two calls in
+``checkpointing.py`` add the layer's per-rank state (step clock, qgZ residuals, qwZ difference
+references), so that a resumed run goes on exactly as the one that did not stop.
 
 With no ``--zeropp-*`` switch on, every function here leaves Megatron-LM as it was.
 """
@@ -24,22 +28,15 @@ import dataclasses
 import os
 from typing import Callable, List, Optional
 
+from megatron_zeropp.sharding import support
 from megatron_zeropp.sharding.config import ZeroPPConfig
 from megatron_zeropp.sharding.config_flags import PREFIX, add_zeropp_flags, config_from_args
-from megatron_zeropp.sharding.config_flags import flag as _flag
 from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
 from megatron_zeropp.sharding.schedule import UnitSchedule
 
 SWITCHES = ("qwz", "hpz", "qgz", "shard_grads")
 """ZeroPPConfig fields that, set, ask for the layer (besides ``--zeropp-zero3``)."""
 
-_LOOP_ONLY = {
-    # ZeroPPConfig knobs that need calls Megatron-LM's training loop does not make.
-    "qgz_fraction": (1.0, "needs the loop to call set_training_progress (this project's "
-                          "pretrain_gpt.py does; Megatron-LM's train() does not)"),
-    "qgz_error_interval": (0, "needs the loop to call qgz_error_report (this project's "
-                              "pretrain_gpt.py does; Megatron-LM's train() does not)"),
-}
 
 
 # -- arguments --------------------------------------------------------------------------------
@@ -47,13 +44,13 @@ def add_arguments(parser):
     """Add the ``--zeropp-*`` flags to Megatron-LM's parser and return it (an
     ``extra_args_provider``). One flag per :class:`ZeroPPConfig` field, generated from the
     dataclass so the two never drift; plus ``--zeropp-zero3`` (plain ZeRO-3, no ZeRO++
-    technique) and ``--zeropp-ranks-per-node``."""
+    technique) and the node size ``--ranks-per-node``, spelled as this project's
+    ``pretrain_gpt.py`` spells it (Megatron-LM has no such flag)."""
     g = parser.add_argument_group("ZeRO++ (megatron_zeropp)")
     g.add_argument("--zeropp-zero3", action="store_true",
                    help="use the ZeRO-3 layer (weights, gradients and optimizer state sharded "
                         "over the data-parallel group) without qwZ/hpZ/qgZ")
-    g.add_argument("--zeropp-ranks-per-node", type=int, default=None,
-                   help="ranks per node for hpZ/qgZ; default LOCAL_WORLD_SIZE from torchrun")
+    support.add_node_size_flag(g)
     add_zeropp_flags(g)
     return parser
 
@@ -83,9 +80,8 @@ def zeropp_config(args) -> ZeroPPConfig:
 
 
 def ranks_per_node(args, world_size: int) -> int:
-    """``--zeropp-ranks-per-node``, else torchrun's LOCAL_WORLD_SIZE, else the whole world."""
-    rpn = getattr(args, PREFIX + "ranks_per_node", None)
-    return rpn if rpn is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """``--ranks-per-node``, else torchrun's LOCAL_WORLD_SIZE, else the whole world."""
+    return support.ranks_per_node(getattr(args, "ranks_per_node", None), world_size)
 
 
 def _refusals(args) -> List[str]:
@@ -127,9 +123,6 @@ def _refusals(args) -> List[str]:
            "replicated, over the data-parallel group")
     refuse(getattr(args, "fp8_param_gather", False),
            "--fp8-param-gather: the layer gathers its own (qwZ: int8/int4) weights")
-    for name, (neutral, reason) in _LOOP_ONLY.items():
-        value = getattr(args, PREFIX + name)
-        refuse(value != neutral, f"{_flag(name)} {value}: {reason}")
     return errors
 
 
@@ -155,18 +148,14 @@ def check_args(args, write=print) -> List[str]:
         errors.append(str(e))
         config = None
     world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        topology = build_topology(world, args.tensor_model_parallel_size,
-                                  args.pipeline_model_parallel_size,
-                                  getattr(args, "context_parallel_size", 1),
-                                  ranks_per_node(args, world))
-        if config is not None and config.hpz:
-            topology.hpz_groups(config.hpz_partition_size)
-    except ValueError as e:
-        flag = "--zeropp-hpz-partition-size" if "hpZ" in str(e) else "--zeropp-ranks-per-node"
-        errors.append(f"{flag}: {e}")
+    layout = (world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+              getattr(args, "context_parallel_size", 1))
+    hpz = getattr(args, PREFIX + "hpz", False)
+    errors += support.layout_errors(*layout, getattr(args, "ranks_per_node", None), hpz,
+                                    getattr(args, PREFIX + "hpz_partition_size", None))
     if errors:
         raise ValueError("ZeRO++: " + "; ".join(errors))
+    topology = build_topology(*layout, ranks_per_node(args, world))
     notes = []
     if args.overlap_param_gather:
         args.overlap_param_gather = False
@@ -203,12 +192,42 @@ class MegatronLMZeroPP(ZeroPPDataParallel):
         super().start_param_sync(*unused, force_sync=force_sync or not torch.cuda.is_available(),
                                  force_dispatch=force_dispatch)
 
+    def qgz_error_measured(self, iteration: int, report: dict) -> None:
+        """``--zeropp-qgz-error-interval``: one line per measured iteration, from the first
+        rank of each data-parallel group's tensor-parallel group 0 (Megatron-LM's loop reads
+        no report; this project's ``pretrain_gpt.py`` puts it on its training line)."""
+        from megatron.core import parallel_state
+
+        if self.comm.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            worst = max(report["units"], key=report["units"].get)
+            print(f"> ZeRO++ qgZ relative error at iteration {iteration}: "
+                  f"{report['total']:.4e} (largest: {worst} {report['units'][worst]:.4e})",
+                  flush=True)
+
     def enable_forward_pre_hook(self):
         """Nothing to enable: the layer's gathers run in its own forward hooks."""
 
     def disable_forward_pre_hook(self, param_sync: bool = True):
         """Nothing to disable; weights are gathered just in time in every forward."""
         del param_sync
+
+
+def train_iters(args) -> Optional[int]:
+    """The run's training iterations as Megatron-LM counts them (``--train-iters``, or from
+    ``--train-samples`` by its ``update_train_iters``): the layer's qgZ cutoff. With
+    ``--train-samples`` Megatron-LM sets ``args.train_iters`` only later, while it builds the
+    LR schedule, and branches on it being unset there: counted on a copy of the arguments."""
+    if args.train_iters:
+        return args.train_iters
+    if getattr(args, "train_samples", None) is None:
+        return None
+    import argparse
+
+    from megatron.training.training import update_train_iters
+
+    copy = argparse.Namespace(**vars(args))
+    update_train_iters(copy)
+    return copy.train_iters
 
 
 def data_parallel(args=None, write=print) -> Callable:
@@ -257,15 +276,39 @@ def data_parallel(args=None, write=print) -> Callable:
             state["groups"] = build_process_groups(topology, zero_config.hpz_partition_size,
                                                    dp_group=dp_group)
             state["schedule"] = UnitSchedule(zero_config.prefetch_depth)
+            # the qgZ cutoff, counted once (Megatron-LM's microbatch calculator exists now)
+            state["train_iters"] = train_iters(args) if zero_config.qgz_fraction < 1 else None
         if ddp_config.overlap_param_gather:
             ddp_config = dataclasses.replace(ddp_config, overlap_param_gather=False)
             if dist.get_rank() == 0:
                 write("> ZeRO++ note: overlap_param_gather off (the layer gathers weights "
                       "itself, with prefetch)", flush=True)
         return MegatronLMZeroPP(config, ddp_config, module, state["topology"], zero_config,
-                                state["groups"], state["schedule"])
+                                state["groups"], state["schedule"],
+                                train_iters=state["train_iters"])
 
     return make
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+def save_rank_state(checkpoint_dir: str, model) -> None:
+    """Where Megatron-LM's ``save_checkpoint`` has written a torch_dist checkpoint into
+    ``checkpoint_dir`` (the iteration directory): write the layer's per-rank state of every
+    chunk of ``model`` beside it (:mod:`megatron_zeropp.checkpointing.rank_state`); nothing
+    without the layer."""
+    from megatron_zeropp.checkpointing import rank_state
+
+    rank_state.save(checkpoint_dir, model)
+
+
+def load_rank_state(checkpoint_dir: str, model, iteration: int, fresh: bool = False) -> None:
+    """At the end of Megatron-LM's ``load_checkpoint`` (weights and optimizer loaded from
+    ``checkpoint_dir``, ``iteration`` as it will go on from): give every chunk its per-rank
+    state back, or a fresh one at ``iteration`` (none saved, another layout, or ``fresh``:
+    ``--finetune`` / a release checkpoint). Collective; nothing without the layer."""
+    from megatron_zeropp.checkpointing import rank_state
+
+    rank_state.load(checkpoint_dir, model, iteration, fresh=fresh)
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -279,4 +322,5 @@ def get_optimizer(config, model_chunks, **kwargs):
 
 
 __all__ = ["add_arguments", "arguments_provider", "enabled", "zeropp_config", "check_args",
-           "data_parallel", "get_optimizer", "MegatronLMZeroPP", "ZeroPPDataParallel"]
+           "data_parallel", "get_optimizer", "save_rank_state", "load_rank_state",
+           "MegatronLMZeroPP", "ZeroPPDataParallel"]

@@ -8,7 +8,6 @@ measured in training.
 import dataclasses
 import math
 import os
-import re
 import subprocess
 import sys
 

@@ -45,19 +45,25 @@ def _megatron_core_private_names() -> set:
     return names
 
 
-def _own_names(paths) -> set:
-    """Underscore names this project defines itself (its own private helpers may share a name
-    with one of megatron-core's without touching megatron-core)."""
+def own_names(sources) -> set:
+    """Names this project defines itself (its own private helpers may share a name with one of
+    megatron-core's without touching megatron-core): functions, classes, variables, and
+    attributes of its own objects (``self.x = ...``, ``cls.x = ...``). An attribute assigned on
+    anything else (``module._private = ...``) is not a definition: it may be megatron-core's."""
     names = set()
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 names.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
     return names
+
+
+_BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 
 
 VERSION_SWITCHES = {"at_least", "mcore_version"}  # only the adapter branches on the version
@@ -65,8 +71,8 @@ VERSION_SWITCHES = {"at_least", "mcore_version"}  # only the adapter branches on
 
 def private_uses(source: str, private: set, own: set):
     """(line, name) of every megatron-core private name ``source`` imports from megatron or
-    reaches as an attribute (``obj._name``), own names aside, and of every import of the
-    adapter's version switches."""
+    reaches as an attribute (``obj._name``, or by name: ``getattr(obj, "_name")``), own names
+    aside, and of every import of the adapter's version switches."""
     hits = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and "mcore" in (node.module or "").split("."):
@@ -81,6 +87,11 @@ def private_uses(source: str, private: set, own: set):
                     hits.append((node.lineno, alias.name))
         elif isinstance(node, ast.Attribute) and node.attr in private and node.attr not in own:
             hits.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in _BY_NAME and len(node.args) >= 2 and \
+                isinstance(node.args[1], ast.Constant) and node.args[1].value in private and \
+                node.args[1].value not in own:
+            hits.append((node.lineno, node.args[1].value))
     return hits
 
 
@@ -97,7 +108,7 @@ def test_no_megatron_core_private_name_outside_the_adapter():
     private = _megatron_core_private_names()
     assert len(private) > 500  # megatron-core's own source was read
     files = list(_project_files())
-    own = _own_names(files)
+    own = own_names(f.read_text(encoding="utf-8") for f in files)
     found = {}
     for f in files:
         hits = private_uses(f.read_text(encoding="utf-8"), private, own)
@@ -120,6 +131,17 @@ def test_scan_flags_private_imports_and_attributes():
     assert sorted(h[1] for h in hits) == sorted([
         "_ParamAndGradBuffer", "_BaseDataParallel", "_get_model_param_range_map",
         "_copy_main_params_to_model_params", "at_least"])
+    # A private module variable of megatron-core set or read by name outside the adapter:
+    # assigning it does not make it the project's own (the guard once counted it so).
+    planted = ("from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
+               "filesystem_async._results_queue = None\n"
+               "q = getattr(filesystem_async, '_results_queue', None)\n")
+    hits = private_uses(planted, private, own=own_names([planted]))
+    assert hits == [(2, "_results_queue"), (3, "_results_queue")], hits
+    # ... while the project's own attribute of the same kind of name is not flagged.
+    mine = "class A:\n    def f(self):\n        self._results_queue = 1\n        " \
+           "return self._results_queue\n"
+    assert private_uses(mine, private, own=own_names([mine])) == []
     # ... and the adapter itself does contain them (it is where they live).
     adapter = "".join(p.read_text() for p in ADAPTER.glob("*.py"))
     assert private_uses(adapter, private, own=set())

@@ -31,6 +31,10 @@ if not os.path.isdir(SNAPSHOTS):  # a worktree sits beside the main checkout
     SNAPSHOTS = "/work/shared/megatron-lm"
 RELEASES = ("core_v0.16.1", "core_v0.19.0")
 
+# The per-rank state of the layer, beside Megatron-LM's torch_dist checkpoints: one call each.
+CHECKPOINT_CALLS = ["from megatron_zeropp import megatron_lm as zeropp",
+                    "zeropp.save_rank_state(checkpoint_name, model)",
+                    "zeropp.load_rank_state(checkpoint_name, ddp_model, iteration,"]
 # The calls each patched file must make (file -> substrings), per tag.
 CALLS = {
     "core_v0.16.1": {
@@ -41,6 +45,7 @@ CALLS = {
             "DP = zeropp.data_parallel(args)",
             "(zeropp.get_optimizer if zeropp.enabled(args) else get_megatron_optimizer)(",
             "(megatron_FSDP, DDP, zeropp.ZeroPPDataParallel)"],
+        "megatron/training/checkpointing.py": CHECKPOINT_CALLS,
     },
     "core_v0.19.0": {
         "pretrain_gpt.py": ["from megatron_zeropp import megatron_lm as zeropp",
@@ -53,6 +58,7 @@ CALLS = {
             "(megatron_FSDP, DDP, zeropp.ZeroPPDataParallel)"],
         "megatron/training/models/dist_utils.py": [
             "from megatron_zeropp import megatron_lm as zeropp", "DP = zeropp.data_parallel()"],
+        "megatron/training/checkpointing.py": CHECKPOINT_CALLS,
     },
 }
 
@@ -132,7 +138,10 @@ def test_flags_are_the_config_fields_and_the_projects_names():
     from dataclasses import fields
 
     expected = {"--zeropp-" + f.name.replace("_", "-") for f in fields(ZeroPPConfig)}
-    assert flags == expected | {"--zeropp-zero3", "--zeropp-ranks-per-node"}
+    assert flags == expected | {"--zeropp-zero3"}
+    # the node size: one flag, the same in both front doors
+    options = {o: a for a in parser._actions for o in a.option_strings}
+    assert options["--ranks-per-node"].type is int and "--zeropp-ranks-per-node" not in options
     # The project's own pretrain_gpt.py spells them the same (its --zeropp-qgz-error-log writes
     # a file from its loop, which Megatron-LM's does not run).
     from megatron_zeropp.training.arguments import build_parser
@@ -140,6 +149,7 @@ def test_flags_are_the_config_fields_and_the_projects_names():
     ours = {o for a in build_parser()._actions for o in a.option_strings
             if o.startswith("--zeropp-")}
     assert ours - {"--zeropp-qgz-error-log"} <= flags
+    assert "--ranks-per-node" in {o for a in build_parser()._actions for o in a.option_strings}
 
 
 def test_defaults_are_plain_zero3_config_and_not_enabled():
@@ -235,8 +245,7 @@ def test_check_args_notes_what_it_turns_off(monkeypatch):
     ("save_wgrads_interval", 10, "--save-wgrads-interval"),
     ("log_params_norm", True, "--log-params-norm"),
     ("check_weight_hash_across_dp_replicas_interval", 5, "weights are sharded"),
-    ("zeropp_qgz_fraction", 0.5, "--zeropp-qgz-fraction 0.5: needs the loop"),
-    ("zeropp_ranks_per_node", 3, "--zeropp-ranks-per-node: ranks_per_node 3 does not divide"),
+    ("ranks_per_node", 3, "--ranks-per-node 3 does not divide world size 8"),
 ])
 def test_check_args_refuses(setting, value, message):
     args = _megatron_lm_args(["--zeropp-qgz"])
@@ -248,7 +257,7 @@ def test_check_args_refuses(setting, value, message):
 
 def test_check_args_refuses_an_hpz_partition_that_does_not_fit_a_node():
     args = _megatron_lm_args("--zeropp-hpz --zeropp-hpz-partition-size 3 "
-                             "--zeropp-ranks-per-node 4".split())
+                             "--ranks-per-node 4".split())
     with pytest.raises(ValueError, match="--zeropp-hpz-partition-size: hpZ partition size 3"):
         megatron_lm.check_args(args, write=lambda *a, **k: None)
 
@@ -265,7 +274,7 @@ def test_ranks_per_node(monkeypatch):
     assert megatron_lm.ranks_per_node(args, 16) == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert megatron_lm.ranks_per_node(args, 16) == 8
-    args = _parser().parse_args(["--zeropp-ranks-per-node", "2"])
+    args = _parser().parse_args(["--ranks-per-node", "2"])
     assert megatron_lm.ranks_per_node(args, 16) == 2
 
 
@@ -310,7 +319,7 @@ def _build_and_train(ctx, through_factory):
     from megatron_zeropp.optimizer import distributed_optimizers, get_zeropp_optimizer
     from megatron_zeropp.sharding import ZeroPPDataParallel
 
-    argv = ["--zeropp-qwz", "--zeropp-ranks-per-node", "2"]
+    argv = ["--zeropp-qwz", "--ranks-per-node", "2"]
     args = megatron_lm.add_arguments(argparse.ArgumentParser()).parse_args(argv)
     T.setup_megatron(1, 1)
     config = T.tiny_config(1, 1)

@@ -36,15 +36,21 @@ def _bound(bits: int, world: int) -> float:
 def _measure(ctx, bits, mode):
     """One measured bucket reduction; returns (report, qgZ result, unmeasured qgZ result)."""
     from megatron_zeropp.comm import zero3_reduce_scatter
-    from megatron_zeropp.sharding import unit as unit_module
-    from megatron_zeropp.sharding.unit import ShardComm
+    from megatron_zeropp.sharding import shard_comm as unit_module
+    from megatron_zeropp.sharding.shard_comm import ShardComm
+    from megatron_zeropp.sharding.step_clock import StepClock
     from megatron_zeropp.topology import build_process_groups
 
     topology = ctx.topology(1, 1)
     groups = build_process_groups(topology)
+    # Interval 2: iterations 1 and 2 are measured, 3 is not, 4 is.
     config = ZeroPPConfig(qgz=True, qgz_intra_bits=bits, qgz_inter_bits=bits,
-                          qgz_error_interval=1)
-    comm = ShardComm(config, groups, topology)
+                          qgz_error_interval=2)
+    clock = StepClock(config, groups.dp_ranks.index(ctx.rank))
+    comm = ShardComm(config, groups, topology, clock)
+    for _ in range(3):
+        clock.begin_iteration()
+    assert not clock.measure_qgz_error
     z, r = comm.dp_size, comm.dp_rank
     if mode == "exact":
         # The quantized path replaced by a full-precision reduce-scatter: nothing to measure.
@@ -60,7 +66,8 @@ def _measure(ctx, bits, mode):
     x = _input(ctx.rank)
     plain = torch.empty(N // z)
     comm.reduce_gradients(plain, x.clone(), async_op=False, key="layer")
-    comm.measure_qgz_error = True
+    clock.begin_iteration()
+    assert clock.measure_qgz_error
     measured = torch.empty(N // z)
     handle = comm.reduce_gradients(measured, x.clone(), async_op=True, key="layer")
     handle.wait()

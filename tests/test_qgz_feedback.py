@@ -102,7 +102,7 @@ def _train(ctx, feedback, shard_grads):
 
     zeropp = ZeroPPConfig(qgz=True, qgz_error_feedback=feedback, qgz_fraction=0.75,
                           shard_grads=shard_grads)
-    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp)
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp, train_iters=4)
     memory = []
     results = train(wrapped, optimizer, 4, micro=1, global_batch=ctx.world_size * 2,
                     on_step=lambda i: memory.append(wrapped.memory_bytes().get("qgz_residual")))
@@ -257,6 +257,6 @@ def test_resume_with_feedback_is_bit_exact(sample_dir, tmp_path, fmt):
     assert resumed["loss"] == full["loss"][3:]
     assert resumed["grad_norm"] == full["grad_norm"][3:]
     # Negative control: without the residual files the resumed run differs.
-    shutil.rmtree(os.path.join(iteration_dir(save, 3), "qgz_residuals"))
+    shutil.rmtree(os.path.join(iteration_dir(save, 3), "zeropp_rank_state"))
     without = run_distributed(_pretrain, 2, 2, args=(resume,))[0]
     assert without["grad_norm"] != full["grad_norm"][3:]

@@ -43,6 +43,6 @@ def test_resume_with_differences_is_bit_exact(sample_dir, tmp_path, fmt, nodes, 
     if not control:
         return
     # Negative control: without the saved references the resumed run's weights differ.
-    shutil.rmtree(os.path.join(iteration_dir(save, 2), "qwz_diff_reference"))
+    shutil.rmtree(os.path.join(iteration_dir(save, 2), "zeropp_rank_state"))
     without = run_distributed(_pretrain, nodes, rpn, args=(resume,))[0]
     assert without["grad_norm"] != full["grad_norm"][2:]

@@ -122,7 +122,7 @@ def test_zeropp_flags_are_the_same_here_and_in_a_patched_megatron_lm():
     assert len(shared) >= 20 and all(ours[o] == theirs[o] for o in shared)
     # only the entry points' own extras differ
     assert set(ours) - shared == {"--zeropp-qgz-error-log"}
-    assert set(theirs) - shared == {"--zeropp-zero3", "--zeropp-ranks-per-node"}
+    assert set(theirs) - shared == {"--zeropp-zero3"}
     assert ours["--zeropp-qwz-bits"] == (int, 8, (4, 8), None)
 
 

@@ -15,7 +15,7 @@ def _instrumented(ctx, zeropp, ddp, steps=3, nmb=1):
 
     from megatron_zeropp.sharding.unit import ShardedUnit, UnitState
 
-    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp, ddp=ddp)
+    _, wrapped, optimizer = build(ctx, 1, 1, "zeropp", zeropp, ddp=ddp, train_iters=steps)
     live = {"now": set(), "max": 0, "async": 0}
     start, release = ShardedUnit.start_gather, ShardedUnit.release
 

@@ -10,14 +10,15 @@ MICRO = 2
 
 
 def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=torch.float32,
-          vp=None):
+          vp=None, train_iters=None):
     """Model + DP wrapper + optimizer for ``impl`` in {"megatron", "zeropp"}.
 
     ``vp``: virtual pipeline stages per rank; then the model is a list of ``vp`` chunks (each
     wrapped as Megatron-LM wraps it; the ZeRO layer's chunks share one UnitSchedule) and so is
     the wrapped model returned. A ``zeropp`` config left at the default
     ``small_param_threshold`` gets ``tiny_gpt.TINY_THRESHOLD`` instead: at the default every
-    parameter of the tiny GPT would travel exactly and the quantized paths would go untested."""
+    parameter of the tiny GPT would travel exactly and the quantized paths would go untested.
+    ``train_iters``: for the layer's qgZ cutoff (``qgz_fraction`` < 1)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from megatron_zeropp.optimizer import get_zeropp_optimizer
@@ -44,7 +45,8 @@ def build(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None, model=None, dtype=
             zeropp = dataclasses.replace(zeropp, small_param_threshold=T.TINY_THRESHOLD)
         schedule = UnitSchedule(zeropp.prefetch_depth)
         chunks = [ZeroPPDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), m,
-                                     ctx.topology(tp, pp), zeropp, schedule=schedule)
+                                     ctx.topology(tp, pp), zeropp, schedule=schedule,
+                                     train_iters=train_iters)
                   for m in modules]
         optimizer = get_zeropp_optimizer(opt_cfg, chunks)
     overlap = bool(ddp_kwargs.get("overlap_grad_reduce"))
@@ -80,9 +82,6 @@ def train(wrapped, optimizer, steps, data_seed=0, micro=MICRO, global_batch=GLOB
         raise ValueError(f"global batch {global_batch} not divisible by {micro} x DP {dp_size}")
     out = []
     for i, batch in enumerate(T.global_batches(steps, global_batch, seed=data_seed)):
-        for chunk in chunks:
-            if hasattr(chunk, "set_training_progress"):
-                chunk.set_training_progress(i, steps)
         its = [T.microbatches(batch, dp_rank, dp_size, micro) for _ in chunks]
         r = train_step(chunks, optimizer, its if len(chunks) > 1 else its[0],
                        global_batch // (micro * dp_size), T.SEQ, micro, dp_group, pp_group)

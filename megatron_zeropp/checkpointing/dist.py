@@ -53,8 +53,9 @@ from megatron_zeropp.mcore.checkpoint import (
 )
 from megatron_zeropp.optimizer import distributed_optimizers
 from megatron_zeropp.optimizer.sharded_state import BUCKET_SHARDING_TYPE, SAVED_TENSORS
+from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
 
-from . import checks, non_distributed, qgz_residuals, qwz_diff_reference
+from . import checks, non_distributed, rank_state
 from .legacy import LATEST, begin_save, commit_save, iteration_dir, latest_iteration
 
 CHECKPOINT_VERSION = 3.0
@@ -64,10 +65,6 @@ SHARDING_TYPE = "fully_reshardable"
 def is_dist_checkpoint(directory: str) -> bool:
     """Whether ``directory`` holds a dist_checkpointing checkpoint (its ``metadata.json``)."""
     return os.path.exists(os.path.join(directory, "metadata.json"))
-
-
-def _is_zero(chunk) -> bool:
-    return hasattr(chunk, "units")
 
 
 def _unwrap(chunk):
@@ -145,19 +142,12 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def _single_optimizer(optimizer):
-    opts = list(distributed_optimizers(optimizer))
-    if len(opts) != 1:
-        raise ValueError(f"torch_dist checkpoints support one distributed optimizer, got "
-                         f"{len(opts)} (a ChainedOptimizer)")
-    return opts[0]
-
-
 def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
     """The ``model`` (``model0``...) and ``optimizer`` entries, as Megatron-LM's
     ``generate_state_dict`` asks for them: each chunk's and the optimizer's
     ``sharded_state_dict`` (the ZeRO layer and its optimizer answer with their shards)."""
-    if any(_is_zero(c) for c in chunks) and not all(_is_zero(c) for c in chunks):
+    zero = [isinstance(c, ZeroPPDataParallel) for c in chunks]
+    if any(zero) and not all(zero):
         raise ValueError("model chunks mix the ZeRO++ layer and megatron-core's DDP")
     out = {}
     for i, chunk in enumerate(chunks):
@@ -213,8 +203,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16.1 reads only that file
     if model_config is not None and dist.get_rank() == 0:
         checks.write_model_config(tmp, model_config)
-    qgz_residuals.save(tmp, model_chunks)
-    qwz_diff_reference.save(tmp, model_chunks)
+    rank_state.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
 
 
@@ -298,11 +287,14 @@ def _saved_entries(directory: str) -> dict:
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                     iteration: Optional[int] = None, load_optim: bool = True,
                     load_rng: bool = True, override_scheduler: bool = False,
-                    use_checkpoint_scheduler: bool = False) -> Tuple[int, int]:
+                    use_checkpoint_scheduler: bool = False,
+                    finetune: bool = False) -> Tuple[int, int]:
     """Load a torch_dist checkpoint (every rank calls); returns ``(iteration, consumed_samples)``.
 
     TP, PP and DP sizes, ZeRO++ flags and the data-parallel implementation may differ from the
     saving run's. RNG states are restored only when TP and PP are unchanged (as in Megatron-LM).
+    The ZeRO++ layer's per-rank state comes back too (:mod:`.rank_state`); ``finetune``: the
+    run starts counting at 0, that state anew.
     """
     from megatron.core import dist_checkpointing
 
@@ -320,7 +312,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
         ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
     load_optim = load_optim and not getattr(ckpt_args, "no_save_optim", False)
     load_rng = load_rng and same_tp_pp and not getattr(ckpt_args, "no_save_rng", False)
-    zero = all(_is_zero(c) for c in model_chunks)
+    zero = all(isinstance(c, ZeroPPDataParallel) for c in model_chunks)
     stored = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     kind = stored.get("distrib_optim_sharding_type")
     flat = load_optim and non_distributed.is_non_distributed(common, stored)
@@ -358,8 +350,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
             print(f"> {used}", flush=True)
     if load_rng:
         _set_rng(loaded["rng_state"])
-    qgz_residuals.load(directory, model_chunks)
-    qwz_diff_reference.load(directory, model_chunks)
+    rank_state.load(directory, model_chunks, 0 if finetune else it, fresh=finetune)
     return it, getattr(ckpt_args, "consumed_train_samples", 0)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron_zeropp.mcore.optimizer import copy_main_params_to_model_params, param_range
 from megatron_zeropp.optimizer import distributed_optimizers
 
-from . import checks, qgz_residuals, qwz_diff_reference
+from . import checks, rank_state
 
 FORMAT_VERSION = 1
 LATEST = "latest_checkpointed_iteration.txt"
@@ -147,8 +147,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     path = os.path.join(tmp, _rank_file(lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]))
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
-    qgz_residuals.save(tmp, model_chunks)
-    qwz_diff_reference.save(tmp, model_chunks)
+    rank_state.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
 
 
@@ -281,11 +280,14 @@ def _assemble(states: List[dict], name: str, key: str, numel: int) -> torch.Tens
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                     iteration: Optional[int] = None, load_optim: bool = True,
                     load_rng: bool = True, override_scheduler: bool = False,
-                    use_checkpoint_scheduler: bool = False) -> Tuple[int, int]:
+                    use_checkpoint_scheduler: bool = False,
+                    finetune: bool = False) -> Tuple[int, int]:
     """Load a checkpoint (every rank calls); returns ``(iteration, consumed_samples)``.
 
     The LR schedule follows Megatron-LM's rules (see :func:`checks.load_scheduler`);
-    the line saying which schedule was used is logged by rank 0.
+    the line saying which schedule was used is logged by rank 0. The ZeRO++ layer's per-rank
+    state comes back too (:mod:`.rank_state`); ``finetune``: the run starts counting at 0,
+    that state anew.
     """
     it = latest_iteration(root) if iteration is None else iteration
     if it is None:
@@ -332,8 +334,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
                 opt.grad_scaler.load_state_dict(scaler)
     if load_rng and single and first.get("rng") is not None:
         _set_rng_state(first["rng"])
-    qgz_residuals.load(directory, model_chunks)
-    qwz_diff_reference.load(directory, model_chunks)
+    rank_state.load(directory, model_chunks, 0 if finetune else it, fresh=finetune)
     return it, first["consumed_samples"]
 
 

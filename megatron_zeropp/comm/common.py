@@ -28,11 +28,6 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
-    """This process's rank inside ``group``."""
-    return dist.get_rank(group)
-
-
 # (protocol name, CommStats) of the counted protocol call running in this context; set by
 # work.run_protocol, read by the collective helpers below to record what they hand over.
 CURRENT_CALL: contextvars.ContextVar = contextvars.ContextVar("zeropp_call", default=None)

@@ -20,13 +20,16 @@ optimizer         ``DistributedOptimizer`` subclass over the layer's shard map: 
                   while ``get_megatron_optimizer`` builds it
 checkpoint        Adam ``step`` kept per parameter on load                             0.16.1,
                   (``_set_main_param_and_optimizer_states``), dummy states before a    0.19.1
-                  load (``_init_optimizer_states_with_dummy_values``)
+                  load (``_init_optimizer_states_with_dummy_values``); the torch_dist
+                  writer's results queue (``filesystem_async._results_queue``)
 tokenizers        ``megatron.core.tokenizers`` (0.19: NullTokenizer needs no path)     0.16.1,
                                                                                        0.19.1
 cpu_patches       megatron-core on CPU/gloo (only without CUDA)                        0.16.1,
                                                                                        0.19.1
 grad_norm         device-side gradient norm in place of the no-apex fallback           0.16.1,
                                                                                        0.19.1
+rerun             the rerun state machine's state, read without creating one (the      0.16.1,
+                  layer's step clock: an iteration re-run in place is the same one)    0.19.1
 ================  ===================================================================  ==========
 
 Importing this package imports nothing of megatron-core; its submodules do.

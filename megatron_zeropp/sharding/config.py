@@ -75,8 +75,9 @@ class ZeroPPConfig:
     """Seed of the stochastic rounding (the same on every rank)."""
     qgz_fraction: float = 1.0
     """Use qgZ for the first ``qgz_fraction`` of the training iterations, the full-precision
-    reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Needs the loop to call
-    ``set_training_progress``; 1.0 = always."""
+    reduce-scatter afterwards (the paper's "qgZ for the first 50 %" run). Below 1 the layer needs
+    the run's training iterations, given once when it is built (both front doors give them);
+    1.0 = always."""
     qgz_error_interval: int = 0
     """Every this many iterations (and on iteration 1) measure each unit's relative error of the
     qgZ reduction against an extra, uncounted fp32 reduction of the same gradients

@@ -40,14 +40,18 @@ import torch.distributed as dist
 
 from megatron_zeropp.comm import drain
 from megatron_zeropp.mcore.buffers import BaseDataParallel
+from megatron_zeropp.mcore.rerun import may_rerun_iterations, reruns_current_iteration
 from megatron_zeropp.topology import ProcessGroups, Topology, build_process_groups
 
+from . import rank_state
 from .config import ZeroPPConfig
 from .partition import CombinedBuffer, build_unit_buffers, find_units
 from .schedule import UnitSchedule
+from .shard_comm import ShardComm
 from .shard_map import ShardMap
 from .sharded_state import is_sharded_load, load_sharded, model_sharded_state
-from .unit import ShardComm, ShardedUnit, UnitState
+from .step_clock import StepClock
+from .unit import ShardedUnit, UnitState
 
 
 def _tensors(obj) -> Iterable[torch.Tensor]:
@@ -134,6 +138,14 @@ class ZeroPPDataParallel(BaseDataParallel):
             pipeline stages: one ZeroPPDataParallel per chunk, one schedule for all, so that
             gathers run ahead in the order the pipeline schedule really enters the units);
             a chunk of its own when omitted.
+        train_iters: the run's training iterations, for ``qgz_fraction`` < 1 (the iteration
+            where qgZ switches off); ``None`` otherwise.
+        chunk_index: this chunk's index among the rank's model chunks (virtual pipeline
+            stages), so that two chunks of a rank never share stochastic-rounding keys; default:
+            the number of chunks registered with ``schedule`` before this one.
+
+    The layer keeps its own :class:`~.step_clock.StepClock`: ``zero_grad_buffer`` begins an
+    iteration (megatron-core's rerun of an iteration in place begins none).
     """
 
     def __init__(
@@ -145,6 +157,8 @@ class ZeroPPDataParallel(BaseDataParallel):
         zeropp: Optional[ZeroPPConfig] = None,
         process_groups: Optional[ProcessGroups] = None,
         schedule: Optional[UnitSchedule] = None,
+        train_iters: Optional[int] = None,
+        chunk_index: Optional[int] = None,
     ):
         super().__init__(config=config, module=module)
         _check_ddp_config(ddp_config)
@@ -159,19 +173,26 @@ class ZeroPPDataParallel(BaseDataParallel):
         self.topology = topology
         groups = process_groups or build_process_groups(topology, zeropp.hpz_partition_size)
         self._check_groups(groups)
-        self.comm = ShardComm(zeropp, groups, topology)
-        self.weight_version = 0
-        self.overlap_param_gather_with_optimizer_step = False
-        self._last_microbatch = True  # False inside no_sync(): gradients only accumulate
-        self._sharded_metadata = None  # of the last sharded_state_dict(), for its load
-        self._build_units(config, ddp_config, module, groups)
-        self._hook_handles: list = []
         if schedule is None:
             schedule = UnitSchedule(zeropp.prefetch_depth)
         elif schedule.depth != zeropp.prefetch_depth:
             raise ValueError(f"the shared UnitSchedule prefetches {schedule.depth} entries ahead, "
                              f"this chunk's prefetch_depth is {zeropp.prefetch_depth}")
         self.schedule = schedule
+        if chunk_index is None:
+            chunk_index = schedule.chunks  # the chunks of this rank registered before this one
+        self.clock = StepClock(zeropp, groups.dp_ranks.index(dist.get_rank()), train_iters,
+                               chunk_index)
+        self.comm = ShardComm(zeropp, groups, topology, self.clock)
+        self._qgz_error: Optional[dict] = None  # the last measured iteration's report
+        self._rank_state_loaded = True  # False from load_state_dict to load_rank_state
+        self._residuals_at_start = None  # qgZ residuals as this iteration found them (reruns)
+        self.weight_version = 0
+        self.overlap_param_gather_with_optimizer_step = False
+        self._last_microbatch = True  # False inside no_sync(): gradients only accumulate
+        self._sharded_metadata = None  # of the last sharded_state_dict(), for its load
+        self._build_units(config, ddp_config, module, groups)
+        self._hook_handles: list = []
         self.schedule.add_chunk(self.units, self._prefetch)
         self._call_stack: Dict[int, list] = {}
         self._install_hooks()
@@ -317,7 +338,7 @@ class ZeroPPDataParallel(BaseDataParallel):
             if not unit.grad_ready(param):
                 return
             overlap = bool(self.ddp_config.overlap_grad_reduce)
-            if self.zeropp.shard_grads:
+            if unit.grads.reduces_every_microbatch:
                 self._start_grad_reduce(unit, async_op=overlap)
             elif overlap and self._last_microbatch:
                 self._start_grad_reduce(unit, async_op=True)
@@ -355,11 +376,12 @@ class ZeroPPDataParallel(BaseDataParallel):
             # Leftovers: no overlap, or parameters without a gradient this step.
             self._start_grad_reduce(unit, async_op=False)
             unit.finish_grad_reduce()
-            if self.zeropp.shard_grads:
-                unit.point_main_grads_at_shards()
+            unit.grads_synced()
         self.schedule.end_step()
         self.release_all()
         self.comm.check_stale()
+        if self.clock.measure_qgz_error:
+            self._report_qgz_error()
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """The optimizer wrote new primary shards: weights of the next forward are a new
@@ -384,12 +406,35 @@ class ZeroPPDataParallel(BaseDataParallel):
         return self.schedule.first_entries(self.units)
 
     def zero_grad_buffer(self):
-        """Zero the gradient buffers before a new step (which opens a step of the schedule)."""
+        """Zero the gradient buffers before a new step, and begin the step's iteration on the
+        clock (no new one while megatron-core's rerun state machine re-runs this one) and a
+        step of the unit schedule."""
         self.schedule.begin_step()
         for p in self.params_with_grad:
             p.grad_added_to_main_grad = False
         for unit in self.units:
-            unit.zero_grads()
+            unit.zero_grads()  # waits for reductions in flight: they read the clock
+        if not self._rank_state_loaded:
+            self._note_missing_rank_state()
+        rerun = reruns_current_iteration()
+        self.clock.begin_iteration(rerun=rerun)
+        self._keep_iteration_start(rerun)
+        if self.clock.measure_qgz_error:
+            self.comm.qgz_error.reset()
+
+    def _keep_iteration_start(self, rerun: bool) -> None:
+        """While megatron-core's rerun state machine may re-run an iteration in place, keep the
+        qgZ residuals as the iteration found them, and give them back to a rerun: it then
+        reduces exactly as the run it checks."""
+        if not self.zeropp.qgz_error_feedback:
+            return
+        if rerun and self._residuals_at_start is not None:
+            for unit, states in zip(self.units, self._residuals_at_start):
+                unit.load_qgz_residual_states(states)
+        elif may_rerun_iterations():
+            self._residuals_at_start = [unit.qgz_residual_states() for unit in self.units]
+        else:
+            self._residuals_at_start = None
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale all gradients by ``scaling_factor``."""
@@ -432,6 +477,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         """Declare the primary shards changed: bump the version, drop gathered weights."""
         self.release_all()
         self.weight_version += 1
+        self.clock.weights_changed()
 
     @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):
@@ -483,15 +529,17 @@ class ZeroPPDataParallel(BaseDataParallel):
         return model_sharded_state(self, metadata=metadata)[1]
 
     def load_state_dict(self, state_dict, strict=True):
-        """Load weights; they become the new primary shards (hpZ copies go stale, qgZ residuals
-        are dropped: they belonged to the gradients of other weights).
+        """Load weights; they become the new primary shards (hpZ copies go stale).
 
         ``state_dict`` is either whole weights (:meth:`state_dict`'s form: gathered, written,
         re-sharded) or what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`
         (each parameter as the boxes of this rank's shard: copied into the primary shards, no
-        gather)."""
+        gather). The per-rank state of the old weights goes (qgZ residuals, qwZ difference
+        references); the checkpoint's comes back through :meth:`load_rank_state`, and if none
+        does before the next step, that step says so once."""
+        self._rank_state_loaded = False
         for unit in self.units:
-            unit.drop_qgz_residuals()
+            unit.load_qgz_residual_states(None)
         if is_sharded_load(state_dict):
             load_sharded(self, state_dict, self._sharded_metadata)
             self.start_param_sync(force_sync=True)
@@ -500,29 +548,53 @@ class ZeroPPDataParallel(BaseDataParallel):
         with self.gathered_parameters(write_back=True):
             return self.module.load_state_dict(state_dict, strict=strict)
 
-    def set_training_progress(self, iteration: int, train_iters: int) -> None:
-        """Tell the layer where training is, for the qgZ schedule (``qgz_fraction``)."""
-        cutoff = self.zeropp.qgz_fraction * train_iters
-        # When qgZ switches off, error-feedback residuals are flushed into the next exact
-        # reduction of their bucket (ShardComm.reduce_gradients), not dropped.
-        self.comm.qgz_active = self.zeropp.qgz and iteration < cutoff
-        self.comm.iteration = iteration  # keys qgZ's stochastic rounding
-        interval = self.zeropp.qgz_error_interval
-        # Iteration numbers in the log are 1-based: ``iteration`` here is the one about to run.
-        n = iteration + 1
-        measure = bool(interval) and self.comm.qgz_active and (n == 1 or n % interval == 0)
-        self.comm.measure_qgz_error = measure
-        if measure:
-            self.comm.qgz_error.reset()
+    # -- per-rank state ---------------------------------------------------------------------
+    def rank_state(self) -> dict:
+        """What this rank of this chunk needs, besides weights and optimizer, to resume exactly
+        (:mod:`.rank_state`: the step clock, qgZ residuals, qwZ difference references, with the
+        layout it belongs to). Host copies; no collective."""
+        return rank_state.collect(self)
+
+    def load_rank_state(self, state: Optional[dict], iterations_done: int) -> None:
+        """Take back :meth:`rank_state`'s ``state`` after loading the weights of a checkpoint of
+        iteration ``iterations_done`` (``None``: none saved, or not usable: the clock resumes at
+        ``iterations_done``, residuals start at zero, the first gathers are exact). Refuses a
+        state of another layout, naming each difference. Collective over the DP group with
+        ``qwz_diff_bits``."""
+        rank_state.restore(self, state, iterations_done)
+        self._rank_state_loaded = True
+
+    def _note_missing_rank_state(self) -> None:
+        """Weights were loaded and no per-rank state followed: say so once (on DP rank 0)."""
+        self._rank_state_loaded = True
+        cfg = self.zeropp
+        if not (cfg.qgz or cfg.qwz_stochastic_rounding or cfg.qwz_diff_bits):
+            return  # nothing of the layer depends on it
+        if self.comm.dp_rank == 0 and self.clock.chunk_index == 0:
+            print(f"> ZeRO++ note: weights loaded without the layer's per-rank state "
+                  f"(load_rank_state): the step clock goes on at iteration "
+                  f"{self.clock.iterations_begun + 1}, qgZ residuals start at zero, the first "
+                  f"gathers are exact", flush=True)
+
+    def _report_qgz_error(self) -> None:
+        """The end of a measured iteration's gradient sync: the qgZ error over the DP group (one
+        all-reduce, through the reduction lane; every DP rank gets here)."""
+        report = self.comm.qgz_error.report([u.name for u in self.units], self.comm.dp_group)
+        if report is not None:
+            self._qgz_error = report
+            self.qgz_error_measured(self.clock.iteration + 1, report)
+
+    def qgz_error_measured(self, iteration: int, report: dict) -> None:
+        """Called on every DP rank with each measured iteration's report (1-based
+        ``iteration``); nothing here: the loop reads :meth:`qgz_error_report`, a subclass may
+        print it."""
 
     def qgz_error_report(self) -> Optional[dict]:
         """After a step measured by the qgZ error diagnostic: ``{"units": {unit name:
-        relative error}, "total": relative error}`` over this DP group (one all-reduce; every
-        DP rank must call it); ``None`` on other steps (no collective)."""
-        if not self.comm.measure_qgz_error:
-            return None
-        self.comm.measure_qgz_error = False
-        return self.comm.qgz_error.report([u.name for u in self.units], self.comm.dp_group)
+        relative error}, "total": relative error}`` over this DP group, once; ``None`` on
+        other steps. No collective (the report was reduced at the step's gradient sync)."""
+        report, self._qgz_error = self._qgz_error, None
+        return report
 
     # -- reporting ------------------------------------------------------------------------
     def comm_counts(self, reset: bool = True) -> dict:

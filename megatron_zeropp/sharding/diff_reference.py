@@ -12,7 +12,8 @@ Two halves of one reconstruction ŵ, which must agree bit for bit:
 
 The pair is valid from an exact 16-bit gather (both halves = w) until the weights are replaced
 from outside the optimizer (load, broadcast: :meth:`DiffReference.drop`), and is rebuilt from a
-checkpoint's saved owner halves with one exact gather of them (:meth:`DiffReference.restore`).
+checkpoint's saved owner halves with one exact gather of them, which the unit runs through its own
+gather (:meth:`~.unit.ShardedUnit.load_diff_reference_state`).
 ``base`` is the secondary's version tag while it holds the reference; a difference is sent only
 if the secondary still holds that version (so nothing else overwrote it).
 """
@@ -23,7 +24,6 @@ from typing import List, Optional
 
 import torch
 
-from megatron_zeropp.comm import zero3_all_gather
 from megatron_zeropp.comm.qwz_diff import own_row_in_slice
 
 
@@ -90,21 +90,22 @@ class DiffReference:
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self, weight_version: int) -> dict:
         """The owner's half and the counters (all a resume needs: the receivers' half is the
-        concatenation of the owners' halves). ``current``: ŵ already belongs to the layer's
-        ``weight_version`` (the optimizer step prefetched this unit's next gather), so the
-        resumed forward must read it as it is rather than send another difference."""
-        self.unit.wait()  # a prefetched difference may still be writing the slice
+        concatenation of the owners' halves), with no gather in flight. ``current``: ŵ already
+        belongs to the layer's ``weight_version`` (the optimizer step prefetched this unit's
+        next gather), so the resumed forward must read it as it is rather than send another
+        difference."""
         valid = self.base is not None and self.unit.secondary.fresh(self.base)
         return {"valid": valid, "since_exact": self.since_exact, "sent": self.sent,
                 "current": valid and self.base == weight_version,
                 "owner": [self.owner_half(k).detach().cpu().clone() if valid else None
                           for k in range(len(self.unit.shards))]}
 
-    def restore(self, state: dict, weight_version: int) -> None:
-        """Rebuild both halves from every rank's saved owner half: one exact all-gather of them
-        per bucket (collective over the DP group, like a load). Tagged ``weight_version`` when
-        the saved ŵ was already the next step's (:meth:`state_dict`), else one below it, a
-        version the next forward does not read at: it then sends differences."""
+    def load_state(self, state: dict, weight_version: int):
+        """Take the counters of a saved :meth:`state_dict`; returns ``(base version, saved owner
+        halves)`` for the unit to gather (``(None, None)``: nothing valid was saved, the
+        reference is dropped). The base is ``weight_version`` when the saved ŵ was already the
+        next step's, else one below it, a version the next forward does not read at: it then
+        sends differences."""
         self.since_exact, self.sent = state["since_exact"], state["sent"]
         base_version = weight_version if state["current"] else weight_version - 1
         if base_version < 0:
@@ -112,17 +113,13 @@ class DiffReference:
                              f"{weight_version}: the layer must have loaded weights first")
         if not state["valid"]:
             self.drop()
-            return
-        unit = self.unit
-        unit.release()
-        unit._alloc()
-        try:
-            for k, (bucket, saved) in enumerate(zip(unit.buckets, state["owner"])):
-                own = saved.to(bucket.param_data.device)
-                zero3_all_gather(bucket.param_data, own, unit.comm.dp_group)
-                if self.copies[k] is not None:
-                    self.copies[k].copy_(own)
-            unit.secondary.refresh([b.param_data for b in unit.buckets], base_version)
-        finally:
-            unit.release()
+            return None, None
+        return base_version, state["owner"]
+
+    def restored(self, owner: List[torch.Tensor], base_version: int) -> None:
+        """The unit gathered every rank's saved ŵ into the secondaries at ``base_version``: the
+        owner's half is this rank's saved one."""
+        for copy, own in zip(self.copies, owner):
+            if copy is not None:
+                copy.copy_(own)
         self.base = base_version

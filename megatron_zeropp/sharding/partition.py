@@ -65,10 +65,6 @@ def find_units(module: torch.nn.Module, mode: str) -> List[UnitSpec]:
     return units
 
 
-def _names(module: torch.nn.Module) -> Dict[torch.nn.Parameter, str]:
-    return {p: n for n, p in module.named_parameters()}
-
-
 def build_unit_buffers(
     spec: UnitSpec,
     ddp_config,

@@ -62,6 +62,11 @@ class UnitSchedule:
         return chunk
 
     @property
+    def chunks(self) -> int:
+        """How many chunks are registered."""
+        return len(self._forward_order)
+
+    @property
     def learned(self) -> Tuple[Entry, ...]:
         """The entries of the last complete training step, in order."""
         return self._learned

@@ -34,225 +34,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_zeropp.comm import (
-    CommStats,
-    QgzResidual,
-    SecondaryWeights,
-    StaleSecondaryError,
-    qgz_reduce_scatter,
-    qgz_residual_input,
-    qwz_all_gather,
-    qwz_diff_all_gather,
-    zero3_all_gather,
-    zero3_reduce_scatter,
-)
+from megatron_zeropp.comm import QgzResidual, SecondaryWeights
 from megatron_zeropp.comm.segments import param_segments
-from megatron_zeropp.comm.work import run_protocol
-from megatron_zeropp.quant.rounding import derive_key
 
-from .config import ZeroPPConfig
 from .diff_reference import DiffReference
-from .qgz_error import QgzErrorMeter, exact_chunk
+from .shard_comm import ShardComm
 from .shard_map import ParamShard, ShardMap
-
-PHASES = ("forward", "backward", "grad")
-
-
-class ShardComm:
-    """Which protocol each collective of the layer uses, with per-phase byte counters.
-
-    ``stats[phase]`` counts the bytes of the weight gathers before forward (``"forward"``), before
-    backward (``"backward"``) and of the gradient reductions (``"grad"``).
-    """
-
-    def __init__(self, config: ZeroPPConfig, groups, topology):
-        self.config = config
-        self.groups = groups
-        self.topology = topology
-        self.dp_group = groups.dp
-        self.dp_size = len(groups.dp_ranks)
-        self.dp_rank = groups.dp_ranks.index(torch.distributed.get_rank())
-        self.stats: Dict[str, CommStats] = {p: CommStats(topology) for p in PHASES}
-        self.qgz_active = config.qgz
-        # The qgZ error diagnostic: measured only while ``measure_qgz_error`` is set (by the
-        # layer, on the iterations --zeropp-qgz-error-interval picks).
-        self.qgz_error = QgzErrorMeter() if config.qgz_error_interval else None
-        self.measure_qgz_error = False
-        self._stale_flags: Dict[torch.device, torch.Tensor] = {}
-        # Stochastic rounding keys: buckets numbered in construction order (the same on every
-        # rank of the DP group), reductions counted per bucket within an iteration.
-        self.iteration = 0
-        self._buckets = 0
-        self._reductions: Dict[int, int] = {}
-        self._reductions_iteration = 0
-        self.holders = _hpz_holders(topology, groups, config) if config.qwz_diff_bits else None
-
-    def register_bucket(self) -> int:
-        """A new bucket's id for the stochastic rounding keys."""
-        self._buckets += 1
-        return self._buckets - 1
-
-    def _qwz_key(self, bucket_id: Optional[int], version: Optional[int]) -> Optional[int]:
-        if not self.config.qwz_stochastic_rounding or bucket_id is None:
-            return None
-        # The weight version, not a call count: every gather of a step gets the same bits.
-        return derive_key(self.config.rounding_seed, 0, version or 0, self.dp_rank, bucket_id)
-
-    def _diff_key(self, bucket_id: int, sent: int) -> Optional[int]:
-        if not self.config.qwz_stochastic_rounding:
-            return None
-        # The unit's count of differences sent (saved with checkpoints), not the weight
-        # version (which a resumed run numbers differently): a resume rounds the same way.
-        return derive_key(self.config.rounding_seed, 2, sent, self.dp_rank, bucket_id)
-
-    def _qgz_key(self, bucket_id: Optional[int]) -> Optional[int]:
-        if not self.config.qgz_rounds_stochastically or bucket_id is None:
-            return None
-        if self._reductions_iteration != self.iteration:
-            self._reductions, self._reductions_iteration = {}, self.iteration
-        count = self._reductions.get(bucket_id, 0)  # several with shard_grads (micro-batches)
-        self._reductions[bucket_id] = count + 1
-        return derive_key(self.config.rounding_seed, 1, self.iteration, count, self.dp_rank,
-                          bucket_id)
-
-    def stale_flag(self, device: torch.device) -> torch.Tensor:
-        """The device-side flag hpZ reads set when a secondary was stale (checked once a step)."""
-        flag = self._stale_flags.get(device)
-        if flag is None:
-            flag = torch.zeros(1, dtype=torch.bool, device=device)
-            self._stale_flags[device] = flag
-        return flag
-
-    def check_stale(self) -> None:
-        """Raise if any hpZ read since the last check saw a stale secondary (one host read per
-        device; called once per step, before the optimizer uses the gradients)."""
-        for flag in self._stale_flags.values():
-            if bool(flag.item()):
-                flag.zero_()
-                raise StaleSecondaryError(
-                    "an hpZ secondary partition was read at a weight version another rank of its "
-                    "group did not hold: the gradients of this step are not to be trusted"
-                )
-
-    def gather_weights(self, output, shard, phase: str, async_op: bool, segments=None,
-                       bucket_id: Optional[int] = None, version: Optional[int] = None):
-        """All-gather a bucket's primary shards (qwZ or plain; plain and uncounted for
-        ``phase="exact"``, used for checkpoints and ``state_dict``). ``segments``: the bucket's
-        parameters (:func:`~megatron_zeropp.comm.segments.param_segments`), so qwZ blocks
-        stay inside one parameter and small ones travel exactly; ``bucket_id`` and the weight
-        ``version`` key the stochastic rounding (when on)."""
-        if phase == "exact":
-            return zero3_all_gather(output, shard, self.dp_group, async_op)
-        if self.config.qwz and not self.config.qwz_diff_bits:
-            return qwz_all_gather(
-                output, shard, self.dp_group, async_op,
-                bits=self.config.qwz_bits, block_size=self.config.qwz_block_size,
-                stats=self.stats[phase], segments=segments,
-                rounding_key=self._qwz_key(bucket_id, version),
-            )
-        return zero3_all_gather(output, shard, self.dp_group, async_op, stats=self.stats[phase])
-
-    def gather_differences(self, slice_out, shard, reference, phase: str, async_op: bool,
-                           segments, bucket_id: int, sent: int):
-        """qwZ differences of one bucket (``qwz_diff_bits``): this rank's primary shard against
-        its ŵ ``reference``, into every holder's secondary slice ``slice_out`` in place."""
-        return qwz_diff_all_gather(
-            slice_out, shard, self.dp_group, async_op, reference=reference,
-            holders=self.holders, bits=self.config.qwz_diff_bits,
-            block_size=self.config.qwz_block_size, stats=self.stats[phase], segments=segments,
-            rounding_key=self._diff_key(bucket_id, sent),
-        )
-
-    def reduce_gradients(self, output, input, async_op: bool, key: Optional[str] = None,
-                         residual: Optional[QgzResidual] = None, segments=None,
-                         bucket_id: Optional[int] = None):
-        """Reduce-scatter a bucket's gradients (sum; megatron-core pre-scales them). ``key``
-        names the unit for the qgZ error diagnostic; ``residual`` is the bucket's qgZ error
-        feedback state; ``segments`` its parameters; ``bucket_id`` keys the stochastic
-        rounding (all unused while qgZ is off)."""
-        if self.qgz_active:
-            rounding = self._qgz_key(bucket_id)
-            if self.measure_qgz_error and key is not None:
-                return self._measured_qgz(output, input, async_op, key, residual, segments,
-                                          rounding)
-            return self._qgz(output, input, async_op, residual, segments, rounding)
-        if residual is not None:
-            self._flush_residual(input, residual, segments)
-        return zero3_reduce_scatter(
-            output, input, self.dp_group, "sum", async_op, stats=self.stats["grad"]
-        )
-
-    def _flush_residual(self, input, residual: QgzResidual, segments) -> None:
-        """qgZ is off now: add what error feedback still carries to this (exact) reduction's
-        input, once, instead of dropping it (the sum over ranks then delivers it in full)."""
-        carried = qgz_residual_input(
-            residual, input.numel(), self.groups.intra_node, self.groups.inter_node,
-            block_size=self.config.qgz_block_size, segments=segments,
-            hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
-        )
-        if carried is not None:
-            input.view(-1).add_(carried.to(input.dtype))
-        residual.reset()
-
-    def _qgz(self, output, input, async_op: bool, residual: Optional[QgzResidual] = None,
-             segments=None, rounding_key: Optional[int] = None):
-        return qgz_reduce_scatter(
-            output, input, self.groups.intra_node, self.groups.inter_node, "sum", async_op,
-            bits=(self.config.qgz_intra_bits, self.config.qgz_inter_bits),
-            block_size=self.config.qgz_block_size, stats=self.stats["grad"], residual=residual,
-            hadamard_seed=self.config.qgz_hadamard_seed if self.config.qgz_hadamard else None,
-            segments=segments, rounding_key=rounding_key,
-        )
-
-    def _measured_qgz(self, output, input, async_op: bool, key: str,
-                      residual: Optional[QgzResidual] = None, segments=None,
-                      rounding_key: Optional[int] = None):
-        """The qgZ reduction plus the diagnostic's exact fp32 reduction of the same input, in
-        one call on the reduction lane (the exact copy is taken first: ``output`` may be a view
-        of ``input``)."""
-        meter, group, rank = self.qgz_error, self.dp_group, self.dp_rank
-
-        def body():
-            exact = exact_chunk(input, group, rank, output.numel())
-            self._qgz(output, input, False, residual, segments, rounding_key)
-            meter.add(key, output, exact)
-
-        return run_protocol(body, async_op, "qgz_error_probe", input.device, lane="reduce",
-                            keep=(input,))
-
-    def reduce_and_accumulate(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool,
-                              key: Optional[str] = None,
-                              residual: Optional[QgzResidual] = None, segments=None,
-                              bucket_id: Optional[int] = None):
-        """Reduce-scatter ``full`` and add this rank's chunk, in fp32, into ``shard``.
-
-        One call on the reduction lane (the temporary chunk lives and dies there); ``full`` is
-        kept alive for the lane, so the caller may free it right after issuing.
-        """
-        if self.dp_size == 1:
-            def body():
-                shard.add_(full.view(-1))
-        else:
-            out_dtype = torch.float32 if self.qgz_active else full.dtype
-
-            def body():
-                chunk = torch.empty(shard.numel(), dtype=out_dtype, device=full.device)
-                self.reduce_gradients(chunk, full, async_op=False, key=key, residual=residual,
-                                      segments=segments, bucket_id=bucket_id)
-                shard.add_(chunk)
-
-        return run_protocol(body, async_op, "grad_shard", full.device, lane="reduce", keep=(full,))
-
-
-def _hpz_holders(topology, groups, config) -> tuple:
-    """The hpZ slice each DP group rank holds (its index in its hpZ group), from the topology:
-    where each owner's differences must go."""
-    out = []
-    hpz_groups = topology.hpz_groups(config.hpz_partition_size)
-    for rank in groups.dp_ranks:
-        group = next(g for g in hpz_groups if rank in g)
-        out.append(list(group).index(rank))
-    return tuple(out)
+from .unit_grads import FullGradients, ShardedGradients
 
 
 def bucket_segments(buffers, exact_below: int) -> List[tuple]:
@@ -307,19 +95,9 @@ class ShardedUnit:
         # Each bucket's parameters as segments: qwZ and qgZ blocks never span two of them, and
         # those below the threshold travel exactly. Param and grad buckets share the layout.
         self.segments = bucket_segments(buffers, comm.config.small_param_threshold)
-        self.bucket_ids = [comm.register_bucket() for _ in self.buckets]
-        self.shard_grads = comm.config.shard_grads
-        self.grad_shards: List[torch.Tensor] = []
-        if self.shard_grads:
-            self.grad_shards = [
-                torch.zeros(b.grad_data.numel() // z, dtype=torch.float32,
-                            device=b.grad_data.device)
-                for b in self.buckets
-            ]
-            self._grad_nbytes = [buf.grad_data.untyped_storage().nbytes() for buf in buffers]
-            self._full_main_grads = {p: p.main_grad for p in self.params}
-            self._shard_main_grads = self.chunk_views(self.grad_shards)
-            self._free_grads()
+        self.bucket_ids = [comm.clock.register_bucket() for _ in self.buckets]
+        # Chosen once: megatron-core's full gradient buffers, or fp32 gradient shards.
+        self.grads = (ShardedGradients if comm.config.shard_grads else FullGradients)(self)
         # qgZ error feedback: one residual per bucket (allocated by its first qgZ reduction).
         self._qgz_residuals: Optional[List[QgzResidual]] = (
             [QgzResidual() for _ in self.buckets] if comm.config.qgz_error_feedback else None
@@ -334,9 +112,6 @@ class ShardedUnit:
         self.users = 0
         self.in_backward = False  # acquired by a backward pass, released by its last grad
         self.grads_pending: set = set()
-        self._grads_live = False  # shard_grads: full grads allocated, not yet reduced
-        self._grads_reduced = False  # full buffers: this step's reduction was issued
-        self._grad_handle = None
 
     # -- weight storage --------------------------------------------------------------------
     def _alloc(self) -> None:
@@ -362,14 +137,51 @@ class ShardedUnit:
             return None
         return self._qgz_residuals[bucket_index]
 
-    def drop_qgz_residuals(self) -> None:
-        """Forget the qgZ residuals (other weights loaded; when qgZ switches off they are
-        flushed into the next exact reduction instead, :meth:`ShardComm.reduce_gradients`)."""
+    def qgz_residual_states(self) -> Optional[List[dict]]:
+        """Copies of the qgZ residuals, per bucket (``None`` without error feedback); call with
+        no reduction in flight."""
+        if self._qgz_residuals is None:
+            return None
+        return [{k: v.detach().clone() for k, v in r.state_dict().items()}
+                for r in self._qgz_residuals]
+
+    def load_qgz_residual_states(self, states: Optional[List[dict]]) -> None:
+        """Hold ``states`` (:meth:`qgz_residual_states`) as the residuals; ``None``: forget them
+        (weights of another run loaded; when qgZ switches off they are flushed into the next
+        exact reduction instead, :meth:`ShardComm.reduce_gradients`)."""
         if self._qgz_residuals is None:
             return
         self.finish_grad_reduce()  # a reduction in flight may still write them
-        for r in self._qgz_residuals:
+        if states is not None and len(states) != len(self._qgz_residuals):
+            raise ValueError(f"unit {self.name}: {len(states)} saved qgZ residuals for "
+                             f"{len(self._qgz_residuals)} buckets")
+        device = self.buckets[0].grad_data.device
+        for k, r in enumerate(self._qgz_residuals):
             r.reset()
+            if states is not None:
+                r.load_state_dict(states[k], device)
+
+    def diff_reference_state(self, weight_version: int) -> dict:
+        """The qwZ difference reference's saved form (:meth:`DiffReference.state_dict`), once
+        no gather writes the secondary any more (a prefetched difference may be in flight)."""
+        self.wait()
+        return self.diff.state_dict(weight_version)
+
+    def load_diff_reference_state(self, state: dict, weight_version: int) -> None:
+        """Rebuild the qwZ difference reference from ``state`` (:meth:`diff_reference_state`,
+        saved by every rank of the DP group): the counters, the owner's half from this rank's
+        saved ŵ, the receivers' half (the secondaries) from one exact gather of every rank's
+        through this unit's own gather. Collective over the DP group."""
+        self.release()
+        base, owner = self.diff.load_state(state, weight_version)
+        if owner is None:
+            return
+        device = self.buckets[0].param_data.device
+        owner = [o.to(device) for o in owner]
+        self.start_gather(base, "exact", async_op=False, sources=owner)
+        self.wait()  # the secondaries now hold every owner's ŵ, tagged ``base``
+        self.diff.restored(owner, base)
+        self.release()
 
     def persistent_bytes(self) -> Dict[str, int]:
         """Bytes this unit keeps between uses: primary shards, secondary slices, gradients
@@ -392,7 +204,8 @@ class ShardedUnit:
         return sum(buf.param_data.untyped_storage().nbytes() for buf in self.buffers)
 
     # -- gathers ---------------------------------------------------------------------------
-    def start_gather(self, version: int, phase: str, async_op: bool) -> None:
+    def start_gather(self, version: int, phase: str, async_op: bool,
+                     sources: Optional[List[torch.Tensor]] = None) -> None:
         """Allocate and start filling the full weights for ``phase`` at weight ``version``.
 
         Reads the hpZ secondary (intra-node) when it holds ``version``; otherwise the primary
@@ -402,7 +215,9 @@ class ShardedUnit:
         reads the primary shards unquantized and leaves the secondary alone. With
         ``qwz_diff_bits`` the cross-node gather sends differences into the secondary in place
         and then reads it (:class:`~.diff_reference.DiffReference`), or, without a reference,
-        gathers the 16-bit weights exactly.
+        gathers the 16-bit weights exactly. ``sources``: every rank's chunk of each bucket to
+        gather exactly instead of the primary shards, refreshing the secondary from them (a
+        restored qwZ difference reference: :meth:`load_diff_reference_state`).
         """
         if self.state is not UnitState.RELEASED:
             raise RuntimeError(f"unit {self.name}: gather started while {self.state.value}")
@@ -411,7 +226,12 @@ class ShardedUnit:
         sec = self.secondary
         from_secondary = phase != "exact" and sec is not None and sec.fresh(version)
         refresh = False
-        if from_secondary:
+        if sources is not None:
+            handles = [self.comm.gather_weights(out, src, "exact", async_op)
+                       for out, src in zip(outputs, sources)]
+            self._handles = [h for h in handles if h is not None]
+            refresh = True
+        elif from_secondary:
             self._handles = sec.gather_into(
                 outputs, version, async_op, self.comm.stale_flag(outputs[0].device),
                 self.comm.stats[phase],
@@ -421,15 +241,13 @@ class ShardedUnit:
         elif phase != "exact" and self.diff is not None:
             # No reference yet (first step, after a load or broadcast) or the guard interval:
             # the 16-bit weights, exactly; they become both halves of the reference.
-            handles = [zero3_all_gather(out, shard, self.comm.dp_group, async_op,
-                                        stats=self.comm.stats[phase])
+            handles = [self.comm.gather_exact(out, shard, phase, async_op)
                        for out, shard in zip(outputs, self.shards)]
             self._handles = [h for h in handles if h is not None]
             self.diff.exact_gathered(version)
             refresh = True
         else:
-            handles = [self.comm.gather_weights(out, shard, phase, async_op, segments, bid,
-                                                version)
+            handles = [self.comm.gather_weights(out, shard, phase, async_op, segments, bid)
                        for out, shard, segments, bid in zip(outputs, self.shards, self.segments,
                                                             self.bucket_ids)]
             self._handles = [h for h in handles if h is not None]
@@ -503,14 +321,13 @@ class ShardedUnit:
         self.ensure(version, "backward")
         self.in_backward = True
         self.grads_pending = {p for p in self.params if p.requires_grad}
-        if self.shard_grads:
-            self._alloc_grads()
+        self.grads.begin_backward()
         return True
 
     def grad_ready(self, param) -> bool:
         """``param``'s gradient of this backward is in ``main_grad``. Returns True when it was
-        the last one: the weights are released (if no forward uses them) and, with
-        ``shard_grads``, the caller reduces the unit's gradients."""
+        the last one: the weights are released (if no forward uses them) and the caller may
+        reduce the unit's gradients (:attr:`.unit_grads.FullGradients.reduces_every_microbatch`)."""
         self.grads_pending.discard(param)
         if not self.in_backward or self.grads_pending:
             return False
@@ -520,7 +337,7 @@ class ShardedUnit:
             self.in_backward = False
         return True
 
-    # -- sharded gradients ------------------------------------------------------------------
+    # -- this rank's chunks ------------------------------------------------------------------
     def _chunk_ranges(self):
         """(parameter, bucket index k, [lo, hi) in the parameter, offset of lo in chunk k) for
         every parameter: its part of chunk r of its bucket (empty when it lies outside)."""
@@ -544,121 +361,43 @@ class ShardedUnit:
 
     def shard_map(self) -> ShardMap:
         """This rank's :class:`ParamShard` of every parameter of the unit."""
-        grads = self.chunk_views(self.grad_shards) if self.shard_grads else {}
+        grads = self.grads.shard_views()
         return {p: ParamShard(lo, hi, self.shards[k][at : at + hi - lo], grads.get(p))
                 for p, k, (lo, hi), at in self._chunk_ranges()}
 
-    def _alloc_grads(self) -> None:
-        self.finish_grad_reduce()  # the previous micro-batch's reduction read these buffers
-        if self._grads_live:
-            return  # gradients of an unfinished backward (unused params): keep accumulating
-        for buf, nbytes in zip(self.buffers, self._grad_nbytes):
-            buf.grad_data.untyped_storage().resize_(nbytes)
-            buf.grad_data.zero_()
-        for p in self.params:
-            p.main_grad = self._full_main_grads[p]
-        self._grads_live = True
-
-    def _free_grads(self) -> None:
-        for buf in self.buffers:
-            buf.grad_data.untyped_storage().resize_(0)
+    # -- gradients (the unit's strategy: .grads) ---------------------------------------------
+    @property
+    def grad_shards(self) -> List[torch.Tensor]:
+        """This rank's fp32 gradient chunk of every bucket (``shard_grads``; else empty)."""
+        return self.grads.shards
 
     def reduction_pending(self) -> bool:
-        """Whether :meth:`start_grad_reduce` would issue a reduction now (gradients of this
-        micro-batch with ``shard_grads``; of this step, not yet reduced, otherwise)."""
-        return self._grads_live if self.shard_grads else not self._grads_reduced
+        """Whether :meth:`start_grad_reduce` would issue a reduction now."""
+        return self.grads.pending()
 
     def start_grad_reduce(self, async_op: bool) -> None:
         """Scale and reduce-scatter this unit's gradients (every DP rank issues the same calls in
         the same order: units reduce as their backward ends, leftovers in
-        :meth:`ZeroPPDataParallel.finish_grad_sync`).
-
-        Full buffers: the step's accumulated gradients, once per step, into chunk r of each
-        bucket's grad buffer in place (where megatron-core's distributed optimizer reads its
-        shard). ``shard_grads``: this micro-batch's gradients, added in fp32 into the gradient
-        shard; the full gradients are then freed (on CUDA at once: the lane keeps them alive;
-        on CPU after the reduction finished).
-        """
-        if self.shard_grads:
-            self._reduce_into_shards(async_op)
-            return
-        if self._grads_reduced:
-            return
-        self._grads_reduced = True
-        z, r = self.comm.dp_size, self.comm.dp_rank
-        handles = []
-        for i, bucket in enumerate(self.buckets):
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
-            if z == 1:
-                continue
-            n = bucket.grad_data.numel() // z
-            handle = self.comm.reduce_gradients(
-                bucket.grad_data[r * n : (r + 1) * n], bucket.grad_data, async_op,
-                key=self.name, residual=self.qgz_residual(i), segments=self.segments[i],
-                bucket_id=self.bucket_ids[i])
-            if handle is not None:
-                handles.append(handle)
-        self._grad_handle = handles or None
-
-    def _reduce_into_shards(self, async_op: bool) -> None:
-        if not self._grads_live:
-            return
-        self.finish_grad_reduce()
-        handles = []
-        for i, (bucket, shard) in enumerate(zip(self.buckets, self.grad_shards)):
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
-            handles.append(self.comm.reduce_and_accumulate(
-                shard, bucket.grad_data, async_op, key=self.name, residual=self.qgz_residual(i),
-                segments=self.segments[i], bucket_id=self.bucket_ids[i]))
-        self._grads_live = False
-        handles = [h for h in handles if h is not None]
-        on_cuda = self.buckets[0].grad_data.device.type == "cuda"
-        if on_cuda or not handles:
-            self._free_grads()
-            self._grad_handle = handles or None
-        else:
-            self._grad_handle = handles
+        :meth:`ZeroPPDataParallel.finish_grad_sync`), as the unit's gradient strategy does
+        (:mod:`.unit_grads`)."""
+        self.grads.start_reduce(async_op)
 
     def finish_grad_reduce(self) -> None:
         """Wait for this unit's gradient reduction in flight (stream wait on CUDA)."""
-        if self._grad_handle is None:
-            return
-        handles, self._grad_handle = self._grad_handle, None
-        for h in handles:
-            h.wait()
-        if self.shard_grads and not self._grads_live:
-            self._free_grads()
+        self.grads.finish_reduce()
 
-    def point_main_grads_at_shards(self) -> None:
-        """After the step's last reduction: ``main_grad`` = this rank's fp32 shard slice, so
-        ``finalize_model_grads``' TP/PP all-reduces and the optimizer read the shard."""
-        for p in self.params:
-            p.main_grad = self._shard_main_grads[p]
+    def grads_synced(self) -> None:
+        """After the step's last reduction: ``main_grad`` points where the optimizer reads
+        the reduced gradients."""
+        self.grads.synced()
 
     def zero_grads(self) -> None:
-        """Zero this unit's gradients (start of a step): the fp32 shards with ``shard_grads``
-        (and ``main_grad`` back on the full views), megatron-core's buffers otherwise."""
-        self.finish_grad_reduce()
-        if not self.shard_grads:
-            for buf in self.buffers:
-                buf.reset()
-            self._grads_reduced = False
-            return
-        for g in self.grad_shards:
-            g.zero_()
-        for p in self.params:
-            p.main_grad = self._full_main_grads[p]
+        """Zero this unit's gradients (start of a step)."""
+        self.grads.zero()
 
     def scale_grads(self, factor: float) -> None:
         """Scale this unit's (reduced) gradients, wherever they live."""
-        if not self.shard_grads:
-            for buf in self.buffers:
-                buf.scale_gradients(factor)
-            return
-        for g in self.grad_shards:
-            g.mul_(factor)
+        self.grads.scale(factor)
 
     # -- weight updates outside the optimizer ----------------------------------------------
     def write_back(self) -> None:

@@ -8,8 +8,9 @@ instead of flags.
 
 from __future__ import annotations
 
-import os
 from typing import List
+
+from megatron_zeropp.sharding import support
 
 
 def layout_errors(args, world_size: int) -> List[str]:
@@ -25,19 +26,9 @@ def layout_errors(args, world_size: int) -> List[str]:
         if groups is None or groups < 1 or args.num_attention_heads % groups or groups % tp:
             errors.append(f"--num-query-groups {groups} must divide --num-attention-heads "
                           f"{args.num_attention_heads} and be divisible by TP {tp}")
-    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if errors or min(tp, pp, cp, rpn) < 1 or world_size % (tp * pp * cp) or world_size % rpn:
-        return errors  # the layout itself is reported elsewhere
-    from megatron_zeropp.topology import build_topology
-
-    try:
-        topology = build_topology(world_size, tp, pp, cp, rpn)
-        if args.zeropp_hpz:
-            topology.hpz_groups(args.zeropp_hpz_partition_size)
-    except ValueError as e:
-        flag = "--zeropp-hpz-partition-size" if "hpZ" in str(e) else "--ranks-per-node"
-        errors.append(f"{flag}: {e}")
-    return errors
+    # the node size and hpZ partition as a patched Megatron-LM checks them
+    return errors + support.layout_errors(world_size, tp, pp, cp, args.ranks_per_node,
+                                          args.zeropp_hpz, args.zeropp_hpz_partition_size)
 
 
 def shared_gpu_errors(args) -> List[str]:

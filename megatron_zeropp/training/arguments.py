@@ -16,6 +16,7 @@ from typing import List, Optional
 import torch
 
 from megatron_zeropp.sharding.config_flags import add_zeropp_flags, config_from_args
+from megatron_zeropp.sharding.support import add_node_size_flag
 
 from . import arg_checks, megatron_lm_flags, megatron_lm_rules, safety_flags, virtual_pipeline
 from .profiling import add_profile_args, validate_profile_args
@@ -58,9 +59,7 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per node; default LOCAL_WORLD_SIZE from torchrun. Set it to "
-                        "simulate nodes on one host")
+    add_node_size_flag(g)
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo without (and with --ranks-share-gpu)")
     g.add_argument("--ranks-share-gpu", action="store_true",
@@ -307,10 +306,6 @@ def validate(args, world_size: int) -> List[str]:
         errors.append(f"--zeropp-qgz-error-log {args.zeropp_qgz_error_log} needs "
                       f"--zeropp-qgz-error-interval > 0, got {args.zeropp_qgz_error_interval}")
     errors += validate_profile_args(args)
-    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or
-                                            world_size % args.ranks_per_node):
-        errors.append(f"--ranks-per-node {args.ranks_per_node} does not divide world size "
-                      f"{world_size}")
     errors += arg_checks.shared_gpu_errors(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "

@@ -29,6 +29,7 @@ from megatron_zeropp.checkpointing import dist as checkpoint_dist
 from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.errors import StartupError
+from megatron_zeropp.sharding import support
 from megatron_zeropp.topology import build_topology
 
 from .arguments import parse_args
@@ -129,7 +130,7 @@ def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] =
     world = dist.get_world_size()
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size,
-                              ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                              support.ranks_per_node(ranks_per_node, world))
     config = transformer_config(args)
     chunks = build_model_chunks(args, config, topology)
     optimizer, scheduler = build_optimizer(args, chunks)

@@ -19,6 +19,7 @@ from megatron_zeropp.checkpointing import dist as checkpoint_dist
 from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.errors import StartupError
+from megatron_zeropp.sharding.support import ranks_per_node
 from megatron_zeropp.topology import build_topology
 from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
@@ -186,7 +187,7 @@ def _load(args, load_iteration, chunks, optimizer, scheduler):
         load_optim=not (args.no_load_optim or finetune),
         load_rng=not (args.no_load_rng or finetune),
         override_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, finetune=finetune)
     _log(f"> loaded checkpoint of iteration {iteration} from {args.load}"
          + (" (--finetune: weights only, starting at iteration 0)" if finetune else ""))
     return (0, 0) if finetune else (iteration, consumed)
@@ -284,7 +285,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                   args.context_parallel_size, args.seed,
                   virtual_pipeline=args.virtual_pipeline_model_parallel_size)
     warm_up_as_megatron_lm(args, args.tensor_model_parallel_size, default_device())
-    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    rpn = ranks_per_node(args.ranks_per_node, world)
     topology = build_topology(world, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, args.context_parallel_size, rpn)
     tokenizer, (train_ds, valid_ds, test_ds) = _setup_data(args, tokenizer_args)
@@ -343,7 +344,6 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         evals_done = 0
     while iteration < args.train_iters and not args.skip_train:
         profiler.before_iteration(iteration)
-        layer.set_training_progress(chunks, iteration, args.train_iters)
         batch = ramp.global_batch(consumed)
         start = time.perf_counter()
         result = train_step(chunks, optimizer, train_it, batch // ramp.per_step, args.seq_length,

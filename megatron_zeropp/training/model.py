@@ -124,7 +124,8 @@ def wrap_data_parallel(args, config, modules, topology, process_groups=None) -> 
 
     zeropp = zeropp_config(args)
     schedule = UnitSchedule(zeropp.prefetch_depth)
-    return [ZeroPPDataParallel(config, ddp, m, topology, zeropp, process_groups, schedule)
+    return [ZeroPPDataParallel(config, ddp, m, topology, zeropp, process_groups, schedule,
+                               train_iters=args.train_iters)
             for m in modules]
 
 

@@ -50,15 +50,9 @@ def describe(chunks) -> Optional[str]:
     return f"{zero[0].zeropp.describe()}, {units} units{where}"
 
 
-def set_training_progress(chunks, iteration: int, train_iters: int) -> None:
-    """Tell every ZeRO++ chunk where training is (the qgZ schedule and diagnostic)."""
-    for chunk in zero_chunks(chunks):
-        chunk.set_training_progress(iteration, train_iters)
-
-
 def qgz_error_report(chunks) -> Optional[dict]:
-    """The qgZ error diagnostic of a measured step over all chunks (a collective of the DP
-    group on measured steps; None on the others)."""
+    """The qgZ error diagnostic of a measured step over all chunks (None on the others; each
+    chunk reduced its own over the DP group at the step's gradient sync)."""
     zero = zero_chunks(chunks)
     if not zero:
         return None

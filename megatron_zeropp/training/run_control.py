@@ -145,18 +145,3 @@ def params_norm(model_chunks, optimizer) -> float:
     return math.sqrt(float(total.item()))
 
 
-class NsysRange:
-    """--profile: bracket iterations [--profile-step-start, --profile-step-end) with the CUDA
-    profiler API, which ``nsys profile --capture-range=cudaProfilerApi`` records (Megatron-LM's
-    default profiler). Without CUDA there is nothing for nsys to capture and it does nothing."""
-
-    def __init__(self, args):
-        self.enabled = args.profile and torch.cuda.is_available()
-        self.start, self.end = args.profile_step_start, args.profile_step_end
-
-    def before_step(self, iteration: int) -> None:
-        """``iteration`` is the number of the step about to run, counted from 0 like Megatron."""
-        if self.enabled and iteration == self.start:
-            torch.cuda.profiler.start()
-        if self.enabled and iteration == self.end:
-            torch.cuda.profiler.stop()

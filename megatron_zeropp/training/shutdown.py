@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 
 FAILED_TEARDOWN_S = 5.0
@@ -57,17 +56,9 @@ def begin_exit() -> None:
 def stop_writer_processes() -> None:
     """Shut down megatron-core's writer manager (if one was started) and end every child process
     of this one (forked checkpoint writers of a save cut short)."""
-    # Not imported: nothing of it runs (and importing it would cost a failing rank seconds).
-    filesystem_async = sys.modules.get(
-        "megatron.core.dist_checkpointing.strategies.filesystem_async")
-    queue = getattr(filesystem_async, "_results_queue", None)
-    manager = getattr(queue, "_manager", None)
-    if manager is not None:
-        try:
-            manager.shutdown()
-        except Exception:  # noqa: BLE001 -- already gone; terminated below if not
-            pass
-        filesystem_async._results_queue = None
+    from megatron_zeropp.mcore.checkpoint import stop_write_results_manager
+
+    stop_write_results_manager()
     for child in multiprocessing.active_children():
         child.terminate()
     for child in multiprocessing.active_children():
