@@ -395,7 +395,7 @@ def _factory_chunks(ctx, through_factory):
     config = T.tiny_config(1, 2, vp=2)
     args = argparse.Namespace(**vars(_megatron_lm_args(
         ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-small-param-threshold",
-         str(T.TINY_THRESHOLD), "--zeropp-ranks-per-node", "2"], world=4)))
+         str(T.TINY_THRESHOLD), "--ranks-per-node", "2"], world=4)))
     DP = megatron_lm.data_parallel(args, write=lambda *a, **k: None)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
     chunks = [DP(config=config, ddp_config=ddp, module=T.build_model(config, vp_stage=i),
