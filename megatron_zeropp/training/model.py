@@ -9,7 +9,7 @@ import torch
 from .arguments import params_dtype, zeropp_config
 from .builders import adam_config, gpt_model, gpt_transformer_config, wire_schedule_hooks
 from .megatron_lm_flags import lr_schedule_steps
-from .megatron_lm_rules import transformer_overrides
+from .megatron_lm_rules import activation_fusion, transformer_overrides
 
 
 def use_transformer_engine(args) -> bool:
@@ -36,6 +36,7 @@ def transformer_config(args):
         sequence_parallel=args.sequence_parallel,
         dtype=params_dtype(args),
         swiglu=args.swiglu,
+        activation_fusion=activation_fusion(args),
         ffn_hidden_size=args.ffn_hidden_size,
         use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
