@@ -319,7 +319,11 @@ Megatron-LM's load_args_from_checkpoint does), overriding the command line."""
 
 
 def apply_checkpoint_args(args, saved: dict) -> None:
-    """Override the model-defining arguments with a checkpoint's (--use-checkpoint-args)."""
+    """Override the model-defining arguments with a checkpoint's (--use-checkpoint-args), read
+    under Megatron-LM's names where they differ (a Megatron-LM checkpoint)."""
+    from megatron_zeropp.checkpointing.checks import with_this_projects_names
+
+    saved = with_this_projects_names(saved)
     for name in CHECKPOINT_ARGS:
         if name in saved:
             setattr(args, name, saved[name])
