@@ -103,6 +103,27 @@ def test_log_line_has_megatron_lm_fields_in_order():
     assert "throughput" not in quiet and "num zeros" not in quiet and "params norm" not in quiet
 
 
+def test_learning_rate_is_printed_through_float32_as_megatron_lm():
+    # Megatron-LM prints (and writes to TensorBoard) the learning rate after a float32
+    # all-reduce; this cosine-schedule rate (3e-4, iteration 4 of 20) rounds there to the
+    # other last digit.
+    import math
+
+    from megatron_zeropp.training.logging_utils import (
+        IntervalStats,
+        through_float32,
+        training_log_line,
+    )
+
+    lr = 3e-4 * 0.5 * (1 + math.cos(math.pi * 4 / 20))
+    stats = IntervalStats(iterations=1, loss_sum=7.0, loss_count=1, seconds=0.5)
+    line = training_log_line(3, 20, 48, stats, lr, 16, 1.0, 1.5, 1e12, 1, 4096)
+    assert "| learning rate: 2.713526E-04 |" in line
+    assert f"{lr:.6E}" == "2.713525E-04"  # the float64 print: the check above can fail
+    assert through_float32(lr) == torch.tensor([lr], dtype=torch.float32).item() != lr
+    assert through_float32(None) is None
+
+
 def _pretrain(ctx, argv):
     from megatron_zeropp.training.loop import pretrain
 
