@@ -265,3 +265,27 @@ def test_tensorboard_series_follow_the_flags(tmp_path):
     assert full["lm loss validation ppl"] == [pytest.approx(54.59815, rel=1e-6)]
     assert full["world-size"] == [1.0] and "mem-max-allocated-bytes" in full
     assert "loss-scale" not in full
+
+
+def test_use_distributed_optimizer_is_honoured_on_megatron_core_ddp(capsys):
+    # As Megatron-LM: megatron-core's non-distributed optimizer (all-reduced gradients) unless
+    # --use-distributed-optimizer; the ZeRO++ layer always shards, and says so at start.
+    from megatron_zeropp.training.arguments import parse_args
+    from megatron_zeropp.training.model import ddp_config, optimizer_config
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 1 --train-iters 4 --lr 1e-3 --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 128").split()
+    mcore = ["--data-parallel-impl", "megatron"]
+    for argv, distributed in ((mcore, False), (mcore + ["--use-distributed-optimizer"], True),
+                              ([], True), (["--use-distributed-optimizer"], True)):
+        capsys.readouterr()
+        args = parse_args(base + argv, world_size=2)
+        assert ddp_config(args).use_distributed_optimizer is distributed, argv
+        assert optimizer_config(args).use_distributed_optimizer is distributed, argv
+        noted = "shards the optimizer state over the data-parallel group with or without " \
+                "--use-distributed-optimizer" in capsys.readouterr().out
+        assert noted is (argv == []), argv
+    with pytest.raises(SystemExit):
+        parse_args(base + mcore + ["--overlap-grad-reduce", "--overlap-param-gather"], 2)
+    assert "--overlap-param-gather needs --use-distributed-optimizer" in capsys.readouterr().err

@@ -80,12 +80,20 @@ def build_gpt(args, config, vocab_size: int):
     )
 
 
+def distributed_optimizer(args) -> bool:
+    """Whether the optimizer state is sharded over the data-parallel group: always on the ZeRO++
+    layer; with ``--data-parallel-impl megatron`` as Megatron-LM decides it, by
+    ``--use-distributed-optimizer`` (without it megatron-core's non-distributed optimizer, each
+    rank holding all of the state, and gradients all-reduced rather than reduce-scattered)."""
+    return args.data_parallel_impl == "zeropp" or args.use_distributed_optimizer
+
+
 def ddp_config(args):
     """megatron-core DistributedDataParallelConfig for either data-parallel implementation."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed_optimizer(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         # The ZeRO++ layer gathers weights itself (with prefetch); megatron-core's own DDP needs
         # this flag for its forward pre-hooks.
@@ -114,10 +122,11 @@ def wrap_data_parallel(args, config, model, topology, process_groups=None):
 
 
 def optimizer_config(args):
-    """megatron-core OptimizerConfig (Adam through the distributed optimizer)."""
+    """megatron-core OptimizerConfig (Adam; distributed as :func:`distributed_optimizer` says)."""
     return adam_config(
         args.lr,
         dtype=params_dtype(args),
+        use_distributed_optimizer=distributed_optimizer(args),
         loss_scale=args.loss_scale,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
