@@ -80,7 +80,11 @@ def _check_common_state_object(directory: str, common: str, keys) -> None:
     """No ``common.pt``: megatron-core 0.17+ (Megatron-LM core_v0.19.0's saves) keeps the common
     state as one object in the shards instead; accept that where the installed megatron-core
     reads it, and say what to do where it does not."""
-    from megatron_zeropp.mcore.checkpoint import COMMON_STATE_KEY, reads_common_state_object
+    from megatron_zeropp.mcore.checkpoint import (
+        COMMON_STATE_KEY,
+        installed_text,
+        reads_common_state_object,
+    )
 
     index = os.path.join(directory, ".metadata")
     if not any(k.split("/")[0] == COMMON_STATE_KEY for k in keys):
@@ -88,12 +92,10 @@ def _check_common_state_object(directory: str, common: str, keys) -> None:
                            f"'{COMMON_STATE_KEY}' object (where megatron-core 0.17+ keeps the "
                            f"common state instead): the checkpoint has no common state")
     if not reads_common_state_object():
-        from megatron_zeropp.mcore.version import mcore_version
-
         raise StartupError(
             f"{directory} keeps its common state in the '{COMMON_STATE_KEY}' object and has no "
             f"common.pt: it was written with megatron-core 0.17 or newer (Megatron-LM "
-            f"core_v0.19.0 saves so), which megatron-core {'.'.join(map(str, mcore_version()))} "
+            f"core_v0.19.0 saves so), which megatron-core {installed_text()} "
             f"cannot read. Load it under megatron-core 0.19, or rewrite it there with "
             f"tools/convert_checkpoint.py --to torch_dist (which also writes common.pt)")
 

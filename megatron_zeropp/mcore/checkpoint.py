@@ -97,6 +97,13 @@ def reads_common_state_object() -> bool:
     return at_least(0, 17)
 
 
+def installed_text() -> str:
+    """The installed megatron-core's version, as a user reads it (``0.16.1``)."""
+    from .version import mcore_version
+
+    return ".".join(map(str, mcore_version()))
+
+
 def is_common(key: str) -> bool:
     """Whether a stored ShardedObject is megatron-core's own copy of the common state (0.17+
     keeps it in the DCP files as ``common_state``; it is written anew by every save). Checked:
