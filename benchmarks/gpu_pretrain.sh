@@ -30,7 +30,7 @@ MODEL="$SIZE --micro-batch-size $MB --global-batch-size $GBS --bf16 --grad-reduc
   --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 --seed 1234
   --ranks-per-node $RPN --overlap-grad-reduce"
 declare -A FLAGS=(
-  [megatron]="--data-parallel-impl megatron --overlap-param-gather"
+  [megatron]="--data-parallel-impl megatron --use-distributed-optimizer --overlap-param-gather"
   [zero3]=""
   [qwz_hpz]="--zeropp-qwz --zeropp-hpz"
   [all3]="--zeropp-qwz --zeropp-hpz --zeropp-qgz"

@@ -77,8 +77,8 @@ PRESETS: Dict[str, List[str]] = {
 # so the comparison is between each one's best schedule.
 _OVERLAP = ["--overlap-grad-reduce"]
 CONFIGS: Dict[str, List[str]] = {
-    "megatron": ["--data-parallel-impl", "megatron", "--overlap-grad-reduce",
-                 "--overlap-param-gather"],
+    "megatron": ["--data-parallel-impl", "megatron", "--use-distributed-optimizer",
+                 "--overlap-grad-reduce", "--overlap-param-gather"],
     "zero3": _OVERLAP,
     "qwz_hpz": _OVERLAP + ["--zeropp-qwz", "--zeropp-hpz"],
     "all3": _OVERLAP + ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"],

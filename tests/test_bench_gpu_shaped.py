@@ -118,8 +118,8 @@ def test_nvlink_command(gpus):
                    "NVSHMEM_DISABLE_NVLS": "1"}
     assert (_flag(cmd, "--nnodes"), _flag(cmd, "--nproc-per-node")) == ("1", str(gpus))
     assert _flag(cmd, "--ranks-per-node") == str(gpus // 2)  # the layer still sees two nodes
-    assert cmd[-4:] == ["--data-parallel-impl", "megatron", "--overlap-grad-reduce",
-                        "--overlap-param-gather"]
+    assert cmd[-5:] == ["--data-parallel-impl", "megatron", "--use-distributed-optimizer",
+                        "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 def test_profile_flags_and_timed_iterations():

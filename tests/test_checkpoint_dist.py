@@ -135,7 +135,8 @@ def saved(sample_dir, tmp_path_factory):
     ("TP2 x DP2, ZeRO++", ZEROPP + ["--tensor-model-parallel-size", "2",
                                     "--sequence-parallel", "--make-vocab-size-divisible-by",
                                     "64"]),
-    ("DP4, megatron-core DDP", ["--data-parallel-impl", "megatron"]),
+    ("DP4, megatron-core DDP", ["--data-parallel-impl", "megatron",
+                                "--use-distributed-optimizer"]),
     ("DP4, ZeRO-3 without qwZ/hpZ/qgZ", []),
 ])
 def test_another_layout_loads_the_same_parameters_and_trains(saved, sample_dir, name, extra):
@@ -184,12 +185,15 @@ def test_a_pipeline_layout_loads_the_same_parameters_and_trains(saved, sample_di
     assert history["loss"][-1] < first_losses[0]
 
 
-def test_the_megatron_core_ddp_path_saves_what_zeropp_loads(sample_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", [["--use-distributed-optimizer"], []],
+                         ids=["distributed", "non-distributed"])
+def test_the_megatron_core_ddp_path_saves_what_zeropp_loads(sample_dir, tmp_path, optimizer):
     # --data-parallel-impl megatron saves through megatron-core's own sharded_state_dict methods
-    # (the optimizer gathered into fully_reshardable), as Megatron-LM would.
+    # (the distributed optimizer gathered into fully_reshardable; without
+    # --use-distributed-optimizer its non-distributed optimizer's own layout), as Megatron-LM.
     save = str(tmp_path / "ckpt")
     first = run_distributed(_pretrain, 1, 2, args=(_argv(
-        sample_dir, 2, ["--data-parallel-impl", "megatron", "--save", save]),),
+        sample_dir, 2, ["--data-parallel-impl", "megatron", "--save", save] + optimizer),),
         kwargs={"capture_at": (2,)})
     second = run_distributed(_pretrain, 1, 2, args=(_argv(
         sample_dir, 3, ZEROPP + ["--load", save, "--use-checkpoint-opt_param-scheduler"]),),
@@ -198,3 +202,10 @@ def test_the_megatron_core_ddp_path_saves_what_zeropp_loads(sample_dir, tmp_path
     assert loaded.keys() == params.keys()
     assert all(torch.equal(loaded[k], params[k]) for k in params)
     assert second[0][0]["iterations"] == [3]
+    if optimizer:
+        # megatron-core's non-distributed optimizer reads only its own layout (Megatron-LM's
+        # without --use-distributed-optimizer too): refused at load, with the ways out.
+        with pytest.raises(DistributedFailure, match="does not read: load it with "
+                                                     "--use-distributed-optimizer"):
+            run_distributed(_pretrain, 1, 2, args=(_argv(
+                sample_dir, 3, ["--data-parallel-impl", "megatron", "--load", save]),))

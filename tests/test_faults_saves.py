@@ -21,10 +21,12 @@ def _pretrain(ctx, argv):
     return pretrain(argv)
 
 
-@pytest.mark.parametrize("impl", ["zeropp", "megatron"])
+@pytest.mark.parametrize("impl", ["zeropp", "megatron", "megatron-non-distributed"])
 def test_a_save_before_the_first_optimizer_step_resumes_exactly(impl, tmp_path):
+    # (the last: megatron-core's non-distributed optimizer, without --use-distributed-optimizer)
     save = str(tmp_path / "ckpt")
-    extra = ["--data-parallel-impl", impl]
+    extra = ["--data-parallel-impl", impl.split("-")[0]] + (
+        ["--use-distributed-optimizer"] if impl == "megatron" else [])
     full = run_distributed(_pretrain, 1, 2, args=(_argv(
         tmp_path, 5, extra + ["--save", save, "--save-interval", "3"]),))[0]
     # Loss scales 2^19..2^17 overflow these fp16 gradients (2^16 does not, measured): iterations

@@ -194,3 +194,29 @@ def test_the_converter_names_itself_in_its_errors(tmp_path):
     assert run.stderr.strip().splitlines()[-1] == (
         f"convert_checkpoint.py: error: --input {tmp_path / 'nothing'}: no checkpoint")
     assert "pretrain_gpt.py" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_common_state_is_common_pt_or_megatron_core_0_19s_object(dist_dir):
+    # megatron-core 0.17+ (Megatron-LM core_v0.19.0's saves) writes no common.pt: the common
+    # state is the 'common_state' object in the shards. Accepted where the installed
+    # megatron-core reads it, refused with the way out where it does not (0.16.1); a checkpoint
+    # with neither is refused (tests/test_megatron_lm_config.py writes the real 0.19 layout).
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_zeropp.mcore.checkpoint import reads_common_state_object
+
+    (dist_dir / "common.pt").unlink()
+    with pytest.raises(StartupError, match="common.pt is missing, and .*lists no 'common_state'"):
+        integrity.check_files(str(dist_dir))
+    d = dist_dir.parent / "iter_0000005"
+    state = {"w": torch.ones(3), "common_state/shard_0_1": io.BytesIO(b"common")}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    if reads_common_state_object():
+        integrity.check_files(str(d))
+    else:
+        with pytest.raises(StartupError, match="written with megatron-core 0.17 or newer .* "
+                                               "Load it under megatron-core 0.19"):
+            integrity.check_files(str(d))

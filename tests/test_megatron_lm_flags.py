@@ -107,6 +107,27 @@ def test_log_line_has_megatron_lm_fields_in_order():
     assert "throughput" not in quiet and "num zeros" not in quiet and "params norm" not in quiet
 
 
+def test_learning_rate_is_printed_through_float32_as_megatron_lm():
+    # Megatron-LM prints (and writes to TensorBoard) the learning rate after a float32
+    # all-reduce; this cosine-schedule rate (3e-4, iteration 4 of 20) rounds there to the
+    # other last digit.
+    import math
+
+    from megatron_zeropp.training.logging_utils import (
+        IntervalStats,
+        through_float32,
+        training_log_line,
+    )
+
+    lr = 3e-4 * 0.5 * (1 + math.cos(math.pi * 4 / 20))
+    stats = IntervalStats(iterations=1, loss_sum=7.0, loss_count=1, seconds=0.5)
+    line = training_log_line(3, 20, 48, stats, lr, 16, 1.0, 1.5, 1e12, 1, 4096)
+    assert "| learning rate: 2.713526E-04 |" in line
+    assert f"{lr:.6E}" == "2.713525E-04"  # the float64 print: the check above can fail
+    assert through_float32(lr) == torch.tensor([lr], dtype=torch.float32).item() != lr
+    assert through_float32(None) is None
+
+
 def _pretrain(ctx, argv):
     from megatron_zeropp.training.loop import pretrain
 
@@ -248,3 +269,27 @@ def test_tensorboard_series_follow_the_flags(tmp_path):
     assert full["lm loss validation ppl"] == [pytest.approx(54.59815, rel=1e-6)]
     assert full["world-size"] == [1.0] and "mem-max-allocated-bytes" in full
     assert "loss-scale" not in full
+
+
+def test_use_distributed_optimizer_is_honoured_on_megatron_core_ddp(capsys):
+    # As Megatron-LM: megatron-core's non-distributed optimizer (all-reduced gradients) unless
+    # --use-distributed-optimizer; the ZeRO++ layer always shards, and says so at start.
+    from megatron_zeropp.training.arguments import parse_args
+    from megatron_zeropp.training.model import ddp_config, optimizer_config
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 1 --train-iters 4 --lr 1e-3 --mock-data "
+            "--tokenizer-type NullTokenizer --vocab-size 128").split()
+    mcore = ["--data-parallel-impl", "megatron"]
+    for argv, distributed in ((mcore, False), (mcore + ["--use-distributed-optimizer"], True),
+                              ([], True), (["--use-distributed-optimizer"], True)):
+        capsys.readouterr()
+        args = parse_args(base + argv, world_size=2)
+        assert ddp_config(args).use_distributed_optimizer is distributed, argv
+        assert optimizer_config(args).use_distributed_optimizer is distributed, argv
+        noted = "shards the optimizer state over the data-parallel group with or without " \
+                "--use-distributed-optimizer" in capsys.readouterr().out
+        assert noted is (argv == []), argv
+    with pytest.raises(SystemExit):
+        parse_args(base + mcore + ["--overlap-grad-reduce", "--overlap-param-gather"], 2)
+    assert "--overlap-param-gather needs --use-distributed-optimizer" in capsys.readouterr().err

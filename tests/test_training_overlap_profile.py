@@ -32,7 +32,7 @@ def _pretrain(ctx, argv):
 
 def test_overlap_param_gather_matches_the_synchronous_gather():
     mcore = ARGV + ["--train-iters", "3", "--data-parallel-impl", "megatron",
-                    "--overlap-grad-reduce"]
+                    "--use-distributed-optimizer", "--overlap-grad-reduce"]
     plain = run_distributed(_pretrain, 2, 1, args=(mcore,))
     overlap = run_distributed(_pretrain, 2, 1, args=(mcore + ["--overlap-param-gather"],))
     assert overlap[0][0] == plain[0][0]  # identical losses, iteration by iteration
@@ -53,7 +53,7 @@ def test_overlap_param_gather_is_accepted_by_the_zeropp_layer():
                               "--overlap-param-gather"], world_size=2)
     assert args.overlap_param_gather and not ddp_config(args).overlap_param_gather
     mcore = parse_args(ARGV + ["--train-iters", "3", "--overlap-grad-reduce",
-                               "--overlap-param-gather",
+                               "--overlap-param-gather", "--use-distributed-optimizer",
                                "--data-parallel-impl", "megatron"], world_size=2)
     assert ddp_config(mcore).overlap_param_gather
 

@@ -249,6 +249,29 @@ def check_model_config(load: str, iteration: int, current: Dict[str, object],
                            + "; ".join(diffs))
 
 
+MEGATRON_LM_NAMES: Dict[str, tuple] = {
+    "disable_bias_linear": ("add_bias_linear", lambda add_bias: not add_bias),
+    "apply_layernorm_1p": ("layernorm_zero_centered_gamma", bool),
+    "norm_epsilon": ("layernorm_epsilon", float),
+}
+"""This project's dest -> (Megatron-LM's dest for the same flag, its value -> ours): the flags
+whose stored argument Megatron-LM names otherwise (``--disable-bias-linear`` is
+``store_false`` into ``add_bias_linear`` there, core_v0.16.1 and core_v0.19.0); every other flag
+this project reads from a checkpoint has the same dest in both programs
+(tests/test_megatron_lm_config.py checks both against Megatron-LM's own parser)."""
+
+
+def with_this_projects_names(saved: Dict[str, object]) -> Dict[str, object]:
+    """A checkpoint's stored arguments, with this project's name added for each flag Megatron-LM
+    stores under its own (:data:`MEGATRON_LM_NAMES`; a name of this project's already there
+    wins: the checkpoint is this project's)."""
+    out = dict(saved)
+    for ours, (theirs, convert) in MEGATRON_LM_NAMES.items():
+        if ours not in out and out.get(theirs) is not None:
+            out[ours] = convert(out[theirs])
+    return out
+
+
 def _config_from_rank_file(directory: str) -> Dict[str, object]:
     # Checkpoints written before model_config.json existed carry the run's arguments in every
     # rank file; reading one costs a full load of that file, once, at start.
@@ -264,7 +287,7 @@ def _config_from_rank_file(directory: str) -> Dict[str, object]:
     args = state.get("extra", {}).get("args")
     if not args:
         raise StartupError(f"{files[0]} records no arguments: cannot tell which model it holds")
-    return model_config(argparse.Namespace(**args))
+    return model_config(argparse.Namespace(**with_this_projects_names(args)))
 
 
 def _config_from_common(directory: str) -> Dict[str, object]:
@@ -274,8 +297,9 @@ def _config_from_common(directory: str) -> Dict[str, object]:
     args = dist_checkpointing.load_common_state_dict(directory).get("args")
     if args is None:
         raise StartupError(f"{directory} records no arguments: cannot tell which model it holds")
-    # An absent on/off flag is off (argparse's store_true); any other absent field compares as
-    # None, so it is reported rather than guessed.
+    # Read under Megatron-LM's names (with_this_projects_names). An absent on/off flag is off
+    # (argparse's store_true); any other absent field compares as None, so it is reported
+    # rather than guessed.
     defaults = {name: None for name in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "padded_vocab_size", "max_position_embeddings", "position_embedding_type",
@@ -285,7 +309,8 @@ def _config_from_common(directory: str) -> Dict[str, object]:
                                    "disable_bias_linear"), False))
     import argparse
 
-    return model_config(argparse.Namespace(**{**defaults, **vars(args)}))
+    return model_config(argparse.Namespace(**{**defaults,
+                                              **with_this_projects_names(vars(args))}))
 
 
 def rng_tracker_mismatch(saved, current: Dict[str, object]) -> Optional[str]:

@@ -51,7 +51,7 @@ from megatron_zeropp.mcore.checkpoint import (
     use_in_process_write_results,
     write_common_file,
 )
-from megatron_zeropp.optimizer import distributed_optimizers
+from megatron_zeropp.optimizer import distributed_optimizers, is_distributed
 from megatron_zeropp.optimizer.sharded_state import BUCKET_SHARDING_TYPE, SAVED_TENSORS
 from megatron_zeropp.sharding.data_parallel import ZeroPPDataParallel
 
@@ -85,14 +85,25 @@ def _ps():
     return parallel_state
 
 
-def _metadata() -> dict:
+def _metadata(distributed: bool = True) -> dict:
     # What Megatron-LM's _build_sharded_state_dict_metadata passes with --use-distributed-optimizer
-    # and --dist-ckpt-optim-fully-reshardable; the group is dropped before it is stored.
+    # and --dist-ckpt-optim-fully-reshardable, or without --use-distributed-optimizer (no
+    # sharding type: how a load tells the non-distributed optimizer's layout); the group is
+    # dropped before it is stored.
     ps = _ps()
-    return {"distrib_optim_sharding_type": SHARDING_TYPE,
-            "distrib_optim_fully_reshardable_mem_efficient": False,
-            "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+    sharding = {"distrib_optim_sharding_type": SHARDING_TYPE,
+                "distrib_optim_fully_reshardable_mem_efficient": False} if distributed else {}
+    return {**sharding, "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
             "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers of ``optimizer``; none for megatron-core's non-distributed
+    optimizer (--data-parallel-impl megatron without --use-distributed-optimizer), whose
+    checkpoint methods need none of this module's workarounds."""
+    if optimizer is None or not is_distributed(optimizer):
+        return []
+    return list(distributed_optimizers(optimizer))
 
 
 def _stored_metadata(metadata: dict) -> dict:
@@ -155,7 +166,7 @@ def _model_and_optimizer(chunks, optimizer, metadata, with_optim, is_loading):
             prefix="", metadata=metadata)
     if with_optim:
         if is_loading:
-            for opt in distributed_optimizers(optimizer):
+            for opt in _distributed_optimizers(optimizer):
                 if not opt.optimizer.state:
                     # megatron-core reads the Adam step from existing state first (torch Adam,
                     # without apex/TE); the dummy values are overwritten by the load.
@@ -179,7 +190,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     from megatron.core import dist_checkpointing
 
     ps = _ps()
-    metadata = _metadata()
+    metadata = _metadata(is_distributed(optimizer))
     stored_args = argparse.Namespace(**vars(args))
     stored_args.consumed_train_samples = consumed_samples
     stored_args.data_parallel_size = ps.get_data_parallel_world_size()
@@ -230,8 +241,9 @@ def adam_state_before_first_step(optimizer):
     save had happened.
     """
     added = []
-    for opt in distributed_optimizers(optimizer) if optimizer is not None else ():
-        inner = opt.optimizer
+    chained = getattr(optimizer, "chained_optimizers", None)
+    for opt in () if optimizer is None else chained if chained is not None else [optimizer]:
+        inner = opt.optimizer  # torch's Adam, over fp32 main weights or their shards
         for group in inner.param_groups:
             for p in group["params"]:
                 if inner.state.get(p):
@@ -316,10 +328,23 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     stored = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     kind = stored.get("distrib_optim_sharding_type")
     flat = load_optim and non_distributed.is_non_distributed(common, stored)
+    # megatron-core's non-distributed optimizer here: its own checkpoint methods, which read
+    # only its own layout (so does Megatron-LM's without --use-distributed-optimizer)
+    flat_here = load_optim and not is_distributed(optimizer)
+    if flat_here and not flat:
+        raise ValueError(
+            f"{directory}: optimizer state stored by a distributed optimizer ({kind!r}), which "
+            f"megatron-core's non-distributed optimizer (--data-parallel-impl megatron without "
+            f"--use-distributed-optimizer) does not read: load it with "
+            f"--use-distributed-optimizer or on the ZeRO++ layer, rewrite it with "
+            f"tools/convert_checkpoint.py --optimizer-layout non-distributed, or load the weights "
+            f"alone with --no-load-optim")
     if load_optim:
         _check_optimizer_format(kind, flat, same_tp_pp, directory)
     metadata = {**stored, "dp_cp_group": _metadata()["dp_cp_group"]}
     saved = _saved_entries(directory) if load_optim else {}
+    if flat_here:
+        flat = False  # nothing to translate: the layouts are the same
     if flat:
         # model space, as fully_reshardable: asked for under the non-distributed names
         metadata["distrib_optim_sharding_type"] = SHARDING_TYPE
@@ -328,11 +353,13 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler=None,
     request = _model_and_optimizer(model_chunks, optimizer, metadata, load_optim, True)
     if flat:
         non_distributed.rename_request(request["optimizer"], saved)
-    elif load_optim:
+    elif load_optim and not flat_here:
         _drop_absent_grad_scaler(request["optimizer"], optimizer, directory)
     if load_rng:
         request["rng_state"] = _rng_state(_current_rng())
     loaded = dist_checkpointing.load(request, directory)
+    if flat or flat_here:
+        non_distributed.restore_zero_step(loaded["optimizer"])
     if flat:
         loaded["optimizer"] = non_distributed.distributed_common(loaded["optimizer"],
                                                                  SHARDING_TYPE)
@@ -362,7 +389,7 @@ def _drop_absent_grad_scaler(request: dict, optimizer, directory: str) -> None:
     a non-finite step), whose state is that constant, so nothing is lost by not reading it.
     megatron-core's bucket layout asks for it as a sharded object, which DCP refuses when absent.
     """
-    if not all(getattr(opt.config, "bf16", False) for opt in distributed_optimizers(optimizer)):
+    if not all(getattr(opt.config, "bf16", False) for opt in _distributed_optimizers(optimizer)):
         return
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from torch.distributed.checkpoint import FileSystemReader
@@ -393,9 +420,9 @@ def _apply(loaded, chunks, optimizer, load_optim: bool, after_model=None) -> Non
     if load_optim:
         # no_grad: megatron-core's dp_reshardable loader copies into fp32 shard views of the
         # parameters (fp32 models) without it, which autograd refuses.
-        with keeping_adam_steps(distributed_optimizers(optimizer)), torch.no_grad():
+        with keeping_adam_steps(_distributed_optimizers(optimizer)), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
-        unshare_adam_steps(distributed_optimizers(optimizer))
+        unshare_adam_steps(_distributed_optimizers(optimizer))
     else:
         optimizer.reload_model_params()
 

@@ -1,7 +1,8 @@
 """A corrupt checkpoint is found before loading, and every error names the file.
 
 * :func:`check_files` (each rank, before the first collective; reads metadata only): the
-  ``torch_dist`` files ``metadata.json``, ``common.pt`` and ``.metadata`` must parse, and every
+  ``torch_dist`` files ``metadata.json``, ``.metadata`` and the common state (``common.pt``, or,
+  as megatron-core 0.17+ writes it, the ``common_state`` object in the shards) must parse, and every
   shard file the ``.metadata`` index points into must exist and be at least as long as the last
   byte range it records there (a missing or cut shard used to be a ``CheckpointException
   ranks:dict_keys([0])`` inside per-rank tracebacks); ``torch``-format rank files must be whole
@@ -57,11 +58,13 @@ def check_files(directory: str) -> None:
     except (OSError, ValueError) as e:
         raise StartupError(f"checkpoint file {path} is unreadable (cut or corrupt: {e})") \
             from None
+    extents, keys = _shard_extents(directory)
     common = os.path.join(directory, "common.pt")
-    if not os.path.exists(common):
-        raise StartupError(f"checkpoint file {common} is missing")
-    _zip_ok(common)
-    for name, needed in _shard_extents(directory).items():
+    if os.path.exists(common):
+        _zip_ok(common)
+    else:
+        _check_common_state_object(directory, common, keys)
+    for name, needed in extents.items():
         shard = os.path.join(directory, name)
         if not os.path.exists(shard):
             raise StartupError(f"checkpoint file {shard} is missing (listed in "
@@ -73,8 +76,33 @@ def check_files(directory: str) -> None:
                                f"byte {needed}: the file is cut")
 
 
-def _shard_extents(directory: str) -> Dict[str, int]:
-    """shard file name -> the end of the last byte range ``.metadata`` records in it."""
+def _check_common_state_object(directory: str, common: str, keys) -> None:
+    """No ``common.pt``: megatron-core 0.17+ (Megatron-LM core_v0.19.0's saves) keeps the common
+    state as one object in the shards instead; accept that where the installed megatron-core
+    reads it, and say what to do where it does not."""
+    from megatron_zeropp.mcore.checkpoint import (
+        COMMON_STATE_KEY,
+        installed_text,
+        reads_common_state_object,
+    )
+
+    index = os.path.join(directory, ".metadata")
+    if not any(k.split("/")[0] == COMMON_STATE_KEY for k in keys):
+        raise StartupError(f"checkpoint file {common} is missing, and {index} lists no "
+                           f"'{COMMON_STATE_KEY}' object (where megatron-core 0.17+ keeps the "
+                           f"common state instead): the checkpoint has no common state")
+    if not reads_common_state_object():
+        raise StartupError(
+            f"{directory} keeps its common state in the '{COMMON_STATE_KEY}' object and has no "
+            f"common.pt: it was written with megatron-core 0.17 or newer (Megatron-LM "
+            f"core_v0.19.0 saves so), which megatron-core {installed_text()} "
+            f"cannot read. Load it under megatron-core 0.19, or rewrite it there with "
+            f"tools/convert_checkpoint.py --to torch_dist (which also writes common.pt)")
+
+
+def _shard_extents(directory: str):
+    """(shard file name -> the end of the last byte range ``.metadata`` records in it, the keys
+    ``.metadata`` lists)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     index = os.path.join(directory, ".metadata")
@@ -89,7 +117,7 @@ def _shard_extents(directory: str) -> Dict[str, int]:
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
         extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
-    return extents
+    return extents, list(metadata.state_dict_metadata)
 
 
 def _files(directory: str) -> List[str]:

@@ -82,6 +82,22 @@ def _step(inner: dict):
     return steps.pop()
 
 
+def restore_zero_step(loaded: dict) -> None:
+    """Put back the Adam step of a non-distributed checkpoint saved before its first real step.
+
+    The save stores the state that step would start from, step 0 included
+    (``dist.adam_state_before_first_step``), but megatron-core's non-distributed optimizer
+    stores the shared step only when it is non-zero (``if step:`` in its ``state_dict``), so
+    its own load then hands torch's Adam moments without a step (``KeyError: 'step'``). Only a
+    step of 0 is dropped that way: a state without any step gets ``common_step`` 0 again.
+    """
+    inner = loaded["optimizer"] if "param_groups" in (loaded.get("optimizer") or {}) else loaded
+    state = inner.get("state") or {}
+    entries = [v for k, v in state.items() if k != "common_step"]
+    if "common_step" not in state and entries and not any("step" in v for v in entries):
+        state["common_step"] = torch.tensor(0.0)
+
+
 def distributed_common(loaded: dict, sharding_type: str) -> dict:
     """The distributed optimizer's ``load_state_dict`` input from what a load of a
     non-distributed checkpoint returned (its common part with the requested ``param_state``)."""

@@ -84,11 +84,31 @@ def write_common_file(directory: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+COMMON_STATE_KEY = "common_state"
+"""The ShardedObject in which megatron-core 0.17+ stores a torch_dist checkpoint's common state
+(its DCP key ``common_state/shard_0_1``), instead of a ``common.pt``. Checked: 0.19.1, 0.19.2."""
+
+
+def reads_common_state_object() -> bool:
+    """Whether the installed megatron-core loads a torch_dist checkpoint whose common state is
+    the :data:`COMMON_STATE_KEY` object alone (no ``common.pt``), as Megatron-LM core_v0.19.0
+    on megatron-core 0.19 writes every checkpoint. Checked: 0.16.1 (no: its ``load_common``
+    reads only ``common.pt``), 0.19.1 and 0.19.2 (yes: ``load_common_state_dict`` reads either)."""
+    return at_least(0, 17)
+
+
+def installed_text() -> str:
+    """The installed megatron-core's version, as a user reads it (``0.16.1``)."""
+    from .version import mcore_version
+
+    return ".".join(map(str, mcore_version()))
+
+
 def is_common(key: str) -> bool:
     """Whether a stored ShardedObject is megatron-core's own copy of the common state (0.17+
     keeps it in the DCP files as ``common_state``; it is written anew by every save). Checked:
     0.16.1 (none), 0.19.1."""
-    return at_least(0, 17) and key == "common_state"
+    return at_least(0, 17) and key == COMMON_STATE_KEY
 
 
 def use_in_process_write_results() -> None:

@@ -3,11 +3,13 @@
 from .zero3 import (
     distributed_optimizers,
     get_zeropp_optimizer,
+    is_distributed,
     reload_model_params,
 )
 
 __all__ = [
     "distributed_optimizers",
     "get_zeropp_optimizer",
+    "is_distributed",
     "reload_model_params",
 ]

@@ -31,6 +31,16 @@ def distributed_optimizers(optimizer) -> Iterator:
         yield opt
 
 
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` is megatron-core's distributed optimizer (every optimizer of a
+    ChainedOptimizer), rather than its non-distributed one (each rank holds all of the state)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", None)
+    return all(isinstance(opt, DistributedOptimizer)
+               for opt in (inner if inner is not None else [optimizer]))
+
+
 def get_zeropp_optimizer(config, model_chunks: List, **kwargs):
     """megatron-core's ``get_megatron_optimizer`` for ZeroPPDataParallel chunks.
 

@@ -28,7 +28,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--num-attention-heads", type=int, required=True)
     g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4 x hidden (8/3 x hidden rounded with --swiglu, as Megatron-LM)")
+                   help="default 4 x hidden; with --swiglu 8/3 x hidden rounded down to a "
+                        "multiple of 64 (Megatron-LM's default)")
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--seq-length", type=int, required=True)
@@ -220,8 +221,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _ffn_default(args) -> int:
     if args.swiglu:
-        # Megatron-LM: 2/3 of 4h, rounded up to a multiple of 64.
-        return ((int(8 * args.hidden_size / 3) + 63) // 64) * 64
+        # Megatron-LM's validate_args (core_v0.16.1 and core_v0.19.0): 2/3 of 4h, *truncated* to
+        # a multiple of 64, in its float arithmetic (640 at hidden 256; rounding up gave 704).
+        return int((4 * args.hidden_size * 2 / 3) / 64) * 64
     return 4 * args.hidden_size
 
 
@@ -268,6 +270,10 @@ def validate(args, world_size: int) -> List[str]:
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     args.ffn_hidden_size = args.ffn_hidden_size or _ffn_default(args)
+    if args.ffn_hidden_size < 1:
+        errors.append(f"--swiglu at --hidden-size {args.hidden_size}: Megatron-LM's default FFN "
+                      f"size (8/3 x hidden, truncated to a multiple of 64) is "
+                      f"{args.ffn_hidden_size}; give --ffn-hidden-size")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.seq_length > args.max_position_embeddings:
         errors.append(f"--seq-length {args.seq_length} > --max-position-embeddings "

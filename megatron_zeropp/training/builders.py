@@ -25,17 +25,28 @@ def gpt_transformer_config(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     swiglu: bool = False,
+    activation_fusion: bool = True,
     **overrides,
 ):
     """megatron-core TransformerConfig for a GPT of this shape, parallel layout and dtype.
 
     ``dtype`` sets params/pipeline dtype and the bf16/fp16 switches. Fused kernels stay off
-    unless CUDA (and, for the masked softmax, apex's extension) can run them. ``overrides`` are
-    any other TransformerConfig fields; they win over everything above.
+    unless CUDA (and, for the masked softmax, apex's extension) can run them.
+    ``activation_fusion`` is Megatron-LM's ``--bias-swiglu-fusion`` (with ``swiglu``) or
+    ``--bias-gelu-fusion``, both on by default there: on CUDA the fused bias-SwiGLU is used
+    whenever asked, the fused bias-GeLU only with biases (Megatron-LM's validate_args turns
+    bias_gelu_fusion off under --disable-bias-linear). ``overrides`` are any other
+    TransformerConfig fields; they win over everything above.
     """
     from megatron.core.transformer import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
+    # megatron-core's fused bias-SwiGLU / bias-GeLU are torch.compile'd functions (its jit_fuser
+    # on torch >= 2.2). They do run on CPU, through inductor's C++ code generation, but the first
+    # call compiled for 80 s here (one fp32 shape, megatron-core 0.16.1, torch 2.13) and every
+    # new shape compiles again: CPU runs keep the unfused activation (Megatron-LM itself needs
+    # CUDA, so there is no CPU run of it to match).
+    with_bias = overrides.get("add_bias_linear", True)
     kwargs = dict(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -55,7 +66,7 @@ def gpt_transformer_config(
         # megatron-core's fused softmax needs apex's compiled extension; torch softmax otherwise.
         masked_softmax_fusion=not on_cpu
         and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
-        bias_activation_fusion=not on_cpu and not swiglu,
+        bias_activation_fusion=activation_fusion and not on_cpu and (swiglu or with_bias),
         apply_rope_fusion=False,
         gated_linear_unit=swiglu,
     )
@@ -137,7 +148,8 @@ def adam_config(
     loss_scale: Optional[float] = None,
     **overrides,
 ):
-    """megatron-core OptimizerConfig: Adam through the distributed optimizer.
+    """megatron-core OptimizerConfig: Adam, through the distributed optimizer unless
+    ``use_distributed_optimizer=False`` is among the ``overrides``.
 
     bf16 without an explicit ``loss_scale`` gets a constant scale of 1: bf16 needs no scaling,
     but a scaler makes megatron-core check gradients for Inf/NaN and skip the step, which a

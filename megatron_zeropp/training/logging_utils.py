@@ -53,6 +53,17 @@ class IntervalStats:
                 self.bytes[key] = self.bytes.get(key, 0) + c.total(protocol=protocol)
 
 
+def through_float32(value: Optional[float]) -> Optional[float]:
+    """``value`` as Megatron-LM logs it: its training_log passes the learning rate through
+    ``reduce_max_stat_across_model_parallel_group``, a float32 tensor (core_v0.16.1
+    ``training/utils.py``, core_v0.19.0 ``training/utils/common_utils.py``), before printing it
+    with 7 digits and writing it to TensorBoard; the float64 rate differs in the last printed
+    digit at some iterations (2.713525E-04 against Megatron-LM's 2.713526E-04)."""
+    if value is None:
+        return None
+    return torch.tensor([value], dtype=torch.float32).item()
+
+
 def timestamp() -> str:
     """Megatron-LM's log-line prefix time, ``YYYY-mm-dd HH:MM:SS.ffffff``."""
     import datetime
@@ -83,7 +94,7 @@ def training_log_line(
     ]
     if log_throughput:
         parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
-    parts.append(f"learning rate: {lr:.6E}")
+    parts.append(f"learning rate: {through_float32(lr):.6E}")
     if decoupled_lr is not None:
         parts.append(f"decoupled learning rate: {decoupled_lr:.6E}")
     parts.append(f"global batch size: {global_batch_size:5d}")
@@ -156,7 +167,7 @@ class TensorBoard:
         a = self.args
         if self.writer is None or (a is not None and iteration % a.tensorboard_log_interval):
             return
-        self.scalar("learning-rate", lr, iteration, consumed)
+        self.scalar("learning-rate", through_float32(lr), iteration, consumed)
         self.scalar("batch-size", batch_size, iteration, consumed)
         self.scalar("lm loss", loss, iteration, consumed)
         if a is None or a.log_loss_scale_to_tensorboard:

@@ -15,7 +15,6 @@ from typing import List
 
 ALWAYS_ON = {
     "use_mcore_models": "models are always megatron-core's GPTModel",
-    "use_distributed_optimizer": "optimizer state is always sharded (ZeRO)",
     "no_gradient_accumulation_fusion": "gradient accumulation fusion is never used (CPU-safe)",
     "no_create_attention_mask_in_dataloader": "causal masks are always built inside attention "
                                               "(unless --reset-attention-mask needs one)",
@@ -160,6 +159,18 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
     for flag, reason in ALWAYS_ON.items():
         if getattr(args, flag):
             warnings.append(f"--{flag.replace('_', '-')} has no effect: {reason}")
+    if not args.use_distributed_optimizer and args.data_parallel_impl == "zeropp":
+        warnings.append("the ZeRO++ layer shards the optimizer state over the data-parallel "
+                        "group with or without --use-distributed-optimizer (megatron-core's "
+                        "non-distributed optimizer: --data-parallel-impl megatron without it)")
+    if args.data_parallel_impl == "megatron" and not args.use_distributed_optimizer:
+        if args.overlap_param_gather:
+            errors.append("--overlap-param-gather needs --use-distributed-optimizer with "
+                          "--data-parallel-impl megatron (as in Megatron-LM)")
+        if args.ckpt_format == "torch" and (args.save or args.load):
+            errors.append("--ckpt-format torch stores the distributed optimizer's shards: "
+                          "without --use-distributed-optimizer (megatron-core's non-distributed "
+                          "optimizer) use --ckpt-format torch_dist, Megatron-LM's default")
     if args.overlap_param_gather and args.data_parallel_impl == "zeropp":
         warnings.append("--overlap-param-gather: the ZeRO++ layer always prefetches the next "
                         "unit's weights (--zeropp-prefetch-depth)")
@@ -314,7 +325,11 @@ Megatron-LM's load_args_from_checkpoint does), overriding the command line."""
 
 
 def apply_checkpoint_args(args, saved: dict) -> None:
-    """Override the model-defining arguments with a checkpoint's (--use-checkpoint-args)."""
+    """Override the model-defining arguments with a checkpoint's (--use-checkpoint-args), read
+    under Megatron-LM's names where they differ (a Megatron-LM checkpoint)."""
+    from megatron_zeropp.checkpointing.checks import with_this_projects_names
+
+    saved = with_this_projects_names(saved)
     for name in CHECKPOINT_ARGS:
         if name in saved:
             setattr(args, name, saved[name])

@@ -119,8 +119,8 @@ RULES: Tuple[Tuple[str, str, Detail], ...] = (
     ("perform_initialization", CONFIG, None),
     ("disable_bf16_reduced_precision_matmul", CONFIG, None),
     ("masked_softmax_fusion", FUSION, "masked_softmax_fusion"),
-    ("bias_gelu_fusion", FUSION, "bias_activation_fusion"),
-    ("bias_swiglu_fusion", FUSION, "bias_activation_fusion"),
+    ("bias_gelu_fusion", FUSION, "bias_activation_fusion"),  # without --swiglu
+    ("bias_swiglu_fusion", FUSION, "bias_activation_fusion"),  # with it (activation_fusion)
     ("bias_dropout_fusion", FUSION, "bias_dropout_fusion"),
     # --- no-ops, by dest ---
     ("apply_rope_fusion", NOOP, "RoPE fusion is never used here"),
@@ -481,11 +481,26 @@ def validate(args, layout: Tuple[int, int, int], errors: List[str], notes: List[
                      f"{reason}")
 
 
+ACTIVATION_FUSION = ("bias_swiglu_fusion", "bias_gelu_fusion")
+"""The two flags behind TransformerConfig's ``bias_activation_fusion``: only one applies."""
+
+
+def activation_fusion(args) -> bool:
+    """Whether the bias + activation fusion is asked for, as Megatron-LM's
+    ``core_transformer_config_from_args`` maps it (core_v0.16.1, core_v0.19.0): the SwiGLU flag
+    with --swiglu, the GeLU one otherwise, whatever the other says; builders.py adds what its
+    validate_args and the device decide (bias-GeLU needs biases; nothing fused on CPU)."""
+    return bool(args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion)
+
+
 def transformer_overrides(args) -> dict:
-    """TransformerConfig fields set by CONFIG and FUSION flags given on this command line."""
+    """TransformerConfig fields set by CONFIG and FUSION flags given on this command line (the
+    activation fusion apart: :func:`activation_fusion`)."""
     overrides = {}
     for entry in added_entries():
         kind, detail = rule(entry["dest"], entry.get("group"))
+        if entry["dest"] in ACTIVATION_FUSION:
+            continue
         if kind in (CONFIG, FUSION) and _given(args, entry):
             overrides[detail or entry["dest"]] = getattr(args, entry["dest"])
     return overrides

@@ -9,7 +9,7 @@ import torch
 from .arguments import params_dtype, zeropp_config
 from .builders import adam_config, gpt_model, gpt_transformer_config, wire_schedule_hooks
 from .megatron_lm_flags import lr_schedule_steps
-from .megatron_lm_rules import transformer_overrides
+from .megatron_lm_rules import activation_fusion, transformer_overrides
 from .virtual_pipeline import transformer_fields
 
 
@@ -37,6 +37,7 @@ def transformer_config(args):
         sequence_parallel=args.sequence_parallel,
         dtype=params_dtype(args),
         swiglu=args.swiglu,
+        activation_fusion=activation_fusion(args),
         ffn_hidden_size=args.ffn_hidden_size,
         use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -83,12 +84,20 @@ def build_gpt(args, config, vocab_size: int, vp_stage=None):
     )
 
 
+def distributed_optimizer(args) -> bool:
+    """Whether the optimizer state is sharded over the data-parallel group: always on the ZeRO++
+    layer; with ``--data-parallel-impl megatron`` as Megatron-LM decides it, by
+    ``--use-distributed-optimizer`` (without it megatron-core's non-distributed optimizer, each
+    rank holding all of the state, and gradients all-reduced rather than reduce-scattered)."""
+    return args.data_parallel_impl == "zeropp" or args.use_distributed_optimizer
+
+
 def ddp_config(args):
     """megatron-core DistributedDataParallelConfig for either data-parallel implementation."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed_optimizer(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         # The ZeRO++ layer gathers weights itself (with prefetch); megatron-core's own DDP needs
         # this flag for its forward pre-hooks.
@@ -130,10 +139,11 @@ def wrap_data_parallel(args, config, modules, topology, process_groups=None) -> 
 
 
 def optimizer_config(args):
-    """megatron-core OptimizerConfig (Adam through the distributed optimizer)."""
+    """megatron-core OptimizerConfig (Adam; distributed as :func:`distributed_optimizer` says)."""
     return adam_config(
         args.lr,
         dtype=params_dtype(args),
+        use_distributed_optimizer=distributed_optimizer(args),
         loss_scale=args.loss_scale,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,

@@ -115,27 +115,45 @@ class BatchRamp:
         return self.global_batch(consumed_samples) // self.per_step
 
 
+def _main_and_model_groups(optimizer):
+    """(fp32 main weights, model parameters) group pairs: each rank's shard of them under the
+    distributed optimizer; all of them under megatron-core's non-distributed one, on the first
+    DP rank only (the others hold the same copy)."""
+    from megatron.core import parallel_state
+
+    from megatron_zeropp.optimizer import distributed_optimizers, is_distributed
+
+    if is_distributed(optimizer):
+        for opt in distributed_optimizers(optimizer):
+            yield from zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups)
+            yield from zip(opt.shard_fp32_groups, opt.model_fp32_groups)
+        return
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+            yield from zip(opt.fp32_from_float16_groups, opt.float16_groups)
+            yield from zip(opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups)
+        else:  # FP32Optimizer: the model's weights are the main weights
+            yield from ((g["params"], g["params"]) for g in opt.optimizer.param_groups)
+
+
 def params_norm(model_chunks, optimizer) -> float:
     """L2 norm of the fp32 main weights over the whole model (Megatron-LM's params norm).
 
-    Each rank sums its distributed-optimizer shard; TP-duplicated parameters (norms, biases
-    replicated across TP ranks) and the tied output copy count once; one all-reduce adds the rest.
+    Each rank sums its distributed-optimizer shard (non-distributed: DP rank 0 all of them);
+    TP-duplicated parameters (norms, biases replicated across TP ranks) and the tied output copy
+    count once; one all-reduce adds the rest.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    from megatron_zeropp.optimizer import distributed_optimizers
-
     total = None
-    for opt in distributed_optimizers(optimizer):
-        for mains, models in ((opt.shard_fp32_from_float16_groups, opt.model_float16_groups),
-                              (opt.shard_fp32_groups, opt.model_fp32_groups)):
-            for main_group, model_group in zip(mains, models):
-                for main, p in zip(main_group, model_group):
-                    if not param_is_not_tensor_parallel_duplicate(p) or getattr(p, "shared",
-                                                                                False):
-                        continue
-                    sq = main.detach().float().pow(2).sum()
-                    total = sq if total is None else total + sq
+    for main_group, model_group in _main_and_model_groups(optimizer):
+        for main, p in zip(main_group, model_group):
+            if not param_is_not_tensor_parallel_duplicate(p) or getattr(p, "shared", False):
+                continue
+            sq = main.detach().float().pow(2).sum()
+            total = sq if total is None else total + sq
     if total is None:
         from megatron_zeropp.backend import default_device
 
