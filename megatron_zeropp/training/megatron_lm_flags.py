@@ -132,6 +132,14 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
         errors.append("--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule "
                       "needs several model chunks per rank, which this loop and the ZeRO++ layer "
                       "(one unit list per chunk) do not build; use a plain pipeline")
+    if args.transformer_impl == "transformer_engine":
+        missing = [what for what, there in (("CUDA", torch_cuda_available()), (
+            "the transformer_engine package", importlib.util.find_spec("transformer_engine")))
+            if not there]
+        if missing:
+            errors.append(f"--transformer-impl transformer_engine (Megatron-LM's default) "
+                          f"needs {' and '.join(missing)}, which this machine lacks; use "
+                          "--transformer-impl local (megatron-core's own layers)")
     te = bool(importlib.util.find_spec("transformer_engine")) and args.transformer_impl != "local"
     if args.attention_backend not in ("auto", "local") and not te:
         errors.append(f"--attention-backend {args.attention_backend}: needs Transformer Engine's "
