@@ -21,8 +21,10 @@ from megatron_zeropp.data.preprocess import PreprocessConfig, preprocess
 from megatron_zeropp.data.tokenizers import build_tokenizer
 from megatron_zeropp.simulated_nodes import run_distributed
 
-VOCAB = 100_000  # NullTokenizer ids; EOD is 100000
-EOD = VOCAB
+VOCAB = 100_000  # NullTokenizer ids (documents use ids below 100000 - 1000)
+# megatron-core 0.16.1 and 0.17.1 append the EOD id (100000), 0.18.2 and 0.19.2 take the last one
+# (99999): tests/test_data_tokenizers.py::test_null_tokenizer.
+EOD = build_tokenizer("NullTokenizer", vocab_size=VOCAB).eod
 SEQ = 32
 
 

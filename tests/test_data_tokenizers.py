@@ -79,13 +79,15 @@ def test_null_tokenizer():
     from megatron_zeropp.mcore.version import at_least
 
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
-    if at_least(0, 17):
-        # megatron-core 0.19's NullTokenizer (what Megatron-LM core_v0.19.0 builds for
-        # --vocab-size 100): the EOD id is the last of the 100 (training_config.py:
-        # null_tokenizer_eod_id "Defaults to vocab_size - 1").
+    if at_least(0, 18):
+        # megatron-core 0.18.2's and 0.19.2's NullTokenizer (what Megatron-LM core_v0.18.2 and
+        # core_v0.19.0 build for --vocab-size 100): the EOD id is the last of the 100
+        # (training_config.py: null_tokenizer_eod_id "Defaults to vocab_size - 1").
         assert tokenizer.vocab_size == 100 and tokenizer.eod == 99
     else:
-        assert tokenizer.vocab_size == 101  # the EOD id is appended, as in Megatron-LM 0.16.1
+        # 0.16.1 and 0.17.1: the EOD id is appended, as in Megatron-LM core_v0.16.1 and
+        # core_v0.17.1 (megatron-core 0.17.1's null-text tokenizer keeps 0.16.1's sizes).
+        assert tokenizer.vocab_size == 101
         assert tokenizer.eod == 100
     assert tokenizer.tokenize("3 1 4") == [3, 1, 4]
     assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
@@ -243,24 +245,27 @@ def test_vocabulary_sizes_are_megatron_lm_legacy_tokenizers(sp_model):
     assert megatron_lm_vocab_size(sp, "SentencePieceTokenizer", sp_model, legacy=False) == 1000
 
 
-def test_vocabulary_size_is_megatron_core_019s_where_it_is_installed(sp_model):
+def test_vocabulary_size_is_megatron_cores_where_megatron_lm_builds_it(sp_model):
     import argparse
 
     from megatron.core.package_info import __version__
 
     from megatron_zeropp.data.tokenizers import megatron_lm_vocab_size
 
-    if tuple(int(v) for v in __version__.split(".")[:2]) < (0, 19):
+    if tuple(int(v) for v in __version__.split(".")[:2]) < (0, 17):
         pytest.skip(f"megatron-core {__version__}: Megatron-LM of that release uses its legacy "
                     "tokenizer (previous test)")
-    # Megatron-LM core_v0.19.0 builds its tokenizer with megatron-core's build_tokenizer, which
-    # sets args.padded_vocab_size itself (vocab_utils.calculate_padded_vocab_size arithmetic).
+    # Megatron-LM core_v0.17.1 and later build their tokenizer with megatron-core's
+    # build_tokenizer, which sets args.padded_vocab_size itself
+    # (vocab_utils.calculate_padded_vocab_size arithmetic; 0.17.1 names two of the arguments
+    # tokenizer_special_tokens and tokenizer_metadata).
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as mcore_build
 
     args = argparse.Namespace(
         tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model, chat_template=None,
         tokenizer_sentencepiece_ignore_extra_whitespaces=True, tokenizer_sentencepiece_legacy=False,
-        special_tokens=None, pad_vocab_size=True, metadata_path=None, padded_vocab_size=None,
+        special_tokens=None, tokenizer_special_tokens=None, tokenizer_metadata=None,
+        pad_vocab_size=True, metadata_path=None, padded_vocab_size=None,
         make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, rank=0)
     theirs = mcore_build(args)
     ours = megatron_lm_vocab_size(build_tokenizer("SentencePieceTokenizer", sp_model),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 import megatron_zeropp
 from megatron_zeropp.mcore import version
@@ -157,14 +158,17 @@ def installed(monkeypatch):
     version.mcore_version.cache_clear()
 
 
-@pytest.mark.parametrize("text", ["0.16.1", "0.19.0", "0.19.1", "0.19.7rc0"])
-def test_supported_versions_pass(installed, monkeypatch, text):
+@pytest.mark.parametrize("release", version.SUPPORTED, ids=lambda r: r.version)
+def test_supported_versions_pass(installed, monkeypatch, release):
     monkeypatch.delenv(version.ALLOW_ENV, raising=False)
-    installed(text)
-    assert version.check_supported()[:2] in ((0, 16), (0, 19))
+    installed(release.version)
+    assert version.check_supported() == version._parse(release.version)
 
 
-@pytest.mark.parametrize("text", ["0.16.0", "0.17.0", "0.18.2", "0.20.0", "1.0.0"])
+# Registry releases between the supported ones, the hand-built 0.19.1 earlier CI tested, the
+# next patch and minor releases, and a release candidate of a supported one.
+@pytest.mark.parametrize("text", ["0.16.0", "0.17.0", "0.18.0", "0.18.1", "0.19.0", "0.19.1",
+                                  "0.19.3", "0.20.0", "1.0.0"])
 def test_untested_versions_are_refused_in_one_line(installed, monkeypatch, text):
     monkeypatch.delenv(version.ALLOW_ENV, raising=False)
     installed(text)
@@ -172,8 +176,9 @@ def test_untested_versions_are_refused_in_one_line(installed, monkeypatch, text)
         version.check_supported()
     message = str(err.value)
     assert "\n" not in message
-    assert f"installed: {text.split('rc')[0]}" in message
-    assert "0.16.1, 0.19.x" in message and version.ALLOW_ENV in message
+    assert f"installed: {text}," in message
+    assert "supports megatron-core 0.16.1, 0.17.1, 0.18.2, 0.19.2;" in message
+    assert version.ALLOW_ENV in message
 
 
 def test_without_megatron_core_the_kernels_still_import(installed, monkeypatch):
@@ -207,24 +212,68 @@ def test_unsupported_megatron_core_stops_pretrain_gpt_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
-    assert lines == [f"pretrain_gpt.py: megatron-zeropp supports megatron-core 0.16.1, 0.19.x; "
-                     f"installed: 0.18.0 (set {version.ALLOW_ENV}=1 to run an untested version)"]
+    assert lines == [f"pretrain_gpt.py: megatron-zeropp supports megatron-core 0.16.1, 0.17.1, "
+                     f"0.18.2, 0.19.2; installed: 0.18.0, which CI has not tested (set "
+                     f"{version.ALLOW_ENV}=1 to run it anyway)"]
 
 
-def test_pyproject_states_the_supported_range():
+def pyproject_disagreement(text: str) -> list:
+    """How ``pyproject.toml``'s text disagrees with :data:`version.SUPPORTED` (empty: agrees)."""
     import re
 
-    from packaging.specifiers import SpecifierSet
+    found = re.findall(r'"(megatron-core[^"]*)"', text)
+    if found != [version.pip_requirement()]:
+        return [f"megatron-core requirement {found}, generated: {version.pip_requirement()}"]
+    spec = SpecifierSet(found[0][len("megatron-core"):])
+    # Every registry release up to the next minor (pip index versions megatron-core,
+    # Python 3.11 and 3.12), the hand-built 0.19.1, and the next patch and minor releases.
+    probes = ["0.15.3", "0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.18.2",
+              "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.20.0"]
+    return [f"pip takes {v}: {v in spec}, the gate: {version.is_supported(version._parse(v))}"
+            for v in probes if (v in spec) != version.is_supported(version._parse(v))]
+
+
+def readme_disagreement(text: str) -> list:
+    """How the README's "Supported versions" section disagrees with :data:`version.SUPPORTED`:
+    the megatron-core versions it names in bold must be exactly the table's."""
+    import re
+
+    section = text.split("\n## Supported versions\n", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\*\*(\d+\.\d+\.\d+)\*\*", section)
+    table = [r.version for r in version.SUPPORTED]
+    return [] if named == table else [f"README names {named}, the table {table}"]
+
+
+def test_pyproject_and_readme_state_the_supported_table():
+    import re
 
     text = (REPO / "pyproject.toml").read_text()
-    mcore = SpecifierSet(re.search(r'"megatron-core([^"]+)"', text).group(1))
+    assert pyproject_disagreement(text) == []
+    assert readme_disagreement((REPO / "README.md").read_text()) == []
     python = SpecifierSet(re.search(r'requires-python = "([^"]+)"', text).group(1))
-    for v in ("0.16.1", "0.19.0", "0.19.1"):
-        assert v in mcore and version.is_supported(version._parse(v))
-    for v in ("0.16.0", "0.17.0", "0.18.1", "0.20.0"):
-        assert v not in mcore and not version.is_supported(version._parse(v))
+    assert all(r.python in python for r in version.SUPPORTED)
     assert all(v in python for v in ("3.10", "3.11", "3.12"))
     assert "3.13" not in python and "3.9" not in python
+
+
+def test_a_disagreeing_pyproject_or_readme_is_caught():
+    # Negative controls: the old range (0.19.x, 0.17 and 0.18 refused), a requirement that
+    # lets 0.19.0 through, and a README naming a version the table lacks.
+    old = '"megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",'
+    assert pyproject_disagreement(old)
+    loose = f'"{version.pip_requirement().replace(",!=0.19.0", "")}"'
+    assert pyproject_disagreement(loose)
+    readme = (REPO / "README.md").read_text()
+    assert readme_disagreement(readme.replace("**0.18.2**", "**0.18.0**"))
+    assert readme_disagreement(readme.replace("**0.17.1**", "0.17.1"))
+
+
+def test_the_generated_requirement_is_the_table():
+    requirement = version.pip_requirement()
+    assert requirement == ("megatron-core>=0.16.1,<=0.19.2,!=0.17.0,!=0.18.0,!=0.18.1,"
+                           "!=0.19.0,!=0.19.1")
+    assert not pyproject_disagreement(f'"{requirement}"')
+    assert "0.17.1" in SpecifierSet(requirement[len("megatron-core"):])
 
 
 def test_this_process_runs_a_supported_version():

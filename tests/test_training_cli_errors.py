@@ -38,6 +38,59 @@ def test_layout_errors_name_the_flag_before_any_group(extra, world, message, cap
     assert err.count("\n") == 1 and "usage:" not in err  # one line, no 70-line usage
 
 
+TE_REFUSAL = ("--transformer-impl transformer_engine (Megatron-LM's default) needs CUDA and the "
+              "transformer_engine package, which this machine lacks; use --transformer-impl "
+              "local (megatron-core's own layers)")
+
+
+def test_transformer_engine_without_it_is_refused_at_start(monkeypatch, capsys):
+    from megatron_zeropp.training import megatron_lm_flags
+
+    te = ["--transformer-impl", "transformer_engine"]
+    monkeypatch.setattr(megatron_lm_flags, "torch_cuda_available", lambda: False)
+    monkeypatch.setattr(megatron_lm_flags.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else object())
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + te, world_size=1)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"pretrain_gpt.py: error: {TE_REFUSAL} (--help lists the " \
+        "flags)\n"
+    monkeypatch.setenv("RANK", "1")  # the other ranks stay silent
+    with pytest.raises(SystemExit):
+        parse_args(BASE + te, world_size=2)
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("RANK")
+    # With CUDA only the package is missing; local (the advice) starts.
+    monkeypatch.setattr(megatron_lm_flags, "torch_cuda_available", lambda: True)
+    with pytest.raises(SystemExit):
+        parse_args(BASE + te, world_size=1)
+    assert "needs the transformer_engine package, which" in capsys.readouterr().err
+    assert parse_args(BASE + ["--transformer-impl", "local"], world_size=1).transformer_impl == \
+        "local"
+
+
+def test_transformer_engine_where_it_is_there_is_not_refused(monkeypatch):
+    # Negative control: the refusal depends on what is missing, not on the flag alone.
+    from megatron_zeropp.training import megatron_lm_flags
+
+    monkeypatch.setattr(megatron_lm_flags, "torch_cuda_available", lambda: True)
+    monkeypatch.setattr(megatron_lm_flags.importlib.util, "find_spec", lambda name, *a: object())
+    args = parse_args(BASE + ["--transformer-impl", "transformer_engine"], world_size=1)
+    assert args.transformer_impl == "transformer_engine"
+
+
+def test_transformer_engine_stops_a_real_start_in_one_line():
+    # As launched: pretrain_gpt.py on this machine (no CUDA, no Transformer Engine) stops
+    # before building anything, with the one line and no traceback.
+    cmd = [sys.executable, "pretrain_gpt.py", *BASE, "--transformer-impl", "transformer_engine"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == \
+        f"pretrain_gpt.py: error: {TE_REFUSAL} (--help lists the flags)"
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+
+
 def test_only_rank_0_prints(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(SystemExit):

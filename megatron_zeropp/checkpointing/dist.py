@@ -211,7 +211,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         tmp = begin_save(root, iteration, overwrite)
         use_in_process_write_results()
         dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
-    write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16.1 reads only that file
+    write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16-0.18 read only that file
     if model_config is not None and dist.get_rank() == 0:
         checks.write_model_config(tmp, model_config)
     rank_state.save(tmp, model_chunks)

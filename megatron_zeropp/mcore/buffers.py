@@ -16,7 +16,7 @@ from .version import at_least
 
 BaseDataParallel = _BaseDataParallel
 """megatron-core's data-parallel wrapper base (forward, ``sharded_state_dict`` passthrough,
-``zero_grad_buffer`` contract). Checked: 0.16.1, 0.19.1 (same signature)."""
+``zero_grad_buffer`` contract). Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2 (same signature)."""
 
 
 def group_by_dtypes(params: Sequence[torch.nn.Parameter], grad_reduce_in_fp32: bool
@@ -37,10 +37,11 @@ def build_buffer(ddp_config, param_dtype: torch.dtype, grad_dtype: torch.dtype,
     gets a bucket of its own), laid out for the distributed optimizer: each parameter starts on
     a 64-element boundary, each bucket is padded to a multiple of the DP size.
 
-    0.16.1 computes that layout inside the buffer; 0.19 takes it from
-    ``DistributedOptimizer.compute_full_param_layout`` (what Megatron-LM 0.19's ``get_model``
-    passes to DDP) and lays the buffer out without padding when given none. Checked: 0.16.1,
-    0.19.1.
+    0.16.1 and 0.17.1 compute that layout inside the buffer (0.17.1 takes the parameters with
+    their names); 0.18.2 and 0.19.2 take it from ``DistributedOptimizer.
+    compute_full_param_layout`` (what Megatron-LM's ``get_model`` passes to DDP since
+    core_v0.18) and lay the buffer out without padding when given none. Checked: 0.16.1,
+    0.17.1, 0.18.2, 0.19.2.
     """
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
@@ -48,6 +49,12 @@ def build_buffer(ddp_config, param_dtype: torch.dtype, grad_dtype: torch.dtype,
     if not at_least(0, 17):
         return _ParamAndGradBuffer(
             ddp_config, param_dtype, grad_dtype, params, dp_group, None, param_names,
+            gradient_scaling_factor, indices, False, pg_collection,
+        )
+    named = [(p, param_names[p]) for p in params]
+    if not at_least(0, 18):
+        return _ParamAndGradBuffer(
+            ddp_config, param_dtype, grad_dtype, named, dp_group, None, param_names,
             gradient_scaling_factor, indices, False, pg_collection,
         )
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -59,9 +66,9 @@ def build_buffer(ddp_config, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                          f"megatron-core buffers: {list(full.layouts)}")
     (layout,) = full.layouts.values()
     return _ParamAndGradBuffer(
-        ddp_config, param_dtype, grad_dtype, [(p, param_names[p]) for p in params], dp_group,
-        None, param_names, gradient_scaling_factor, layout.param_indices or indices, False,
-        pg_collection, param_layout=layout,
+        ddp_config, param_dtype, grad_dtype, named, dp_group, None, param_names,
+        gradient_scaling_factor, layout.param_indices or indices, False, pg_collection,
+        param_layout=layout,
     )
 
 
@@ -69,9 +76,9 @@ def bucket_view(bucket, offset: int, bucket_id: int,
                 param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]]):
     """A new ``_ParamAndGradBucket`` over ``bucket``'s tensors at another ``offset`` and
     ``bucket_id`` (``param_index_map``: the ranges in the combined buffer), for the optimizer's
-    one-buffer-per-dtype view of several units. Checked: 0.16.1, 0.19.1 (0.19 derives
-    bucket-local ranges from ``param_index_map`` and tracks parameters with extra main grads,
-    which the layer has none of)."""
+    one-buffer-per-dtype view of several units. Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2 (0.17.1
+    and later derive bucket-local ranges from ``param_index_map`` and track parameters with
+    extra main grads, which the layer has none of)."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucket
 
     args = (bucket.params_list, bucket.param_data, bucket.grad_data, offset,
@@ -81,15 +88,29 @@ def bucket_view(bucket, offset: int, bucket_id: int,
     return _ParamAndGradBucket(*args, param_index_map, [])
 
 
+class CombinedBufferBase:
+    """What megatron-core's ``DistributedOptimizer`` calls on a buffer beyond its attributes, for
+    a stand-in buffer that views several units' buffers as one (``sharding.partition.
+    CombinedBuffer``, which sets ``param_index_map``)."""
+
+    param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]]
+
+    def get_unpacked_index_map(self) -> Dict[torch.nn.Parameter, Tuple[int, int, int]]:
+        """megatron-core 0.17.1 reads the ranges through this (other ranges only for NVFP4
+        parameters, which the layer has none of); 0.16.1, 0.18.2 and 0.19.2 read
+        ``param_index_map``. Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2."""
+        return self.param_index_map
+
+
 def ddp_layout_kwargs(module, ddp_config, chunk_index: int = 0) -> dict:
     """Extra arguments for megatron-core's own ``DistributedDataParallel`` (``--data-parallel-impl
-    megatron``), as Megatron-LM's ``get_model`` passes them for the rank's chunk
-    ``chunk_index``: 0.19 wants the distributed optimizer's layout computed by the caller (it
-    computes one itself, with a warning, when not given one), with Megatron-LM core_v0.19.0's
+    megatron``), as Megatron-LM's ``get_model`` passes them for the rank's chunk ``chunk_index``:
+    0.18.2 and 0.19.2 want the distributed optimizer's layout computed by the caller (they
+    compute one themselves, with a warning, when not given one), with Megatron-LM core_v0.19.0's
     bucket size (``resolve_ddp_bucket_size``: the configured one or max(40M, 1M x DP), none
-    without overlap, off the first pipeline stage or after the first chunk); 0.16.1 takes none.
-    Checked: 0.16.1, 0.19.1."""
-    if not at_least(0, 17) or not ddp_config.use_distributed_optimizer:
+    without overlap, off the first pipeline stage or after the first chunk; core_v0.18.2 sizes
+    it the same way); 0.16.1 and 0.17.1 take none. Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2."""
+    if not at_least(0, 18) or not ddp_config.use_distributed_optimizer:
         return {}
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

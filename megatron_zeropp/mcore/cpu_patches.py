@@ -1,9 +1,9 @@
 """Run megatron-core on CPU with gloo: the smallest set of runtime patches we found.
 
-Checked: megatron-core 0.16.1 and 0.19.1 (the same patch set serves both; an untested version is
-refused at import by :mod:`.version`). Each patch also checks that the attribute it replaces
-still exists and fails loudly otherwise, so a megatron-core that moved things is noticed at
-start-up instead of mis-training.
+Checked: megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (the same patch set serves all; an
+untested version is refused at import by :mod:`.version`). Each patch also checks that the
+attribute it replaces still exists and fails loudly otherwise, so a megatron-core that moved
+things is noticed at start-up instead of mis-training.
 
 Applied by :func:`apply` only when CUDA is unavailable (``megatron_zeropp.backend`` calls it); on a
 GPU machine nothing here runs. No function body of megatron-core is copied: every patch either swaps

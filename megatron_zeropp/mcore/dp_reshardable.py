@@ -17,7 +17,7 @@ tensors' sizes, so each parameter's range in its bucket follows (:func:`param_ra
 TP/PP the saved ranks held other parameter pieces, in an order and with a padding the checkpoint
 does not record per parameter; that is refused by the caller.
 
-Checked: 0.16.1 (``_ParamAndGradBuffer.__init__``), 0.19.1
+Checked: 0.16.1 and 0.17.1 (``_ParamAndGradBuffer.__init__``), 0.18.2 and 0.19.2
 (``DistributedOptimizer._compute_per_buffer_param_layout``): the same rule.
 """
 

@@ -1,6 +1,6 @@
 """A gradient norm with one host sync per step, for megatron-core without apex or TE.
 
-Checked: megatron-core 0.16.1 and 0.19.1. Without Transformer Engine or apex,
+Checked: megatron-core 0.16.1, 0.17.1, 0.18.2 and 0.19.2. Without Transformer Engine or apex,
 ``megatron.core.optimizer.clip_grads`` falls back to ``megatron.core.utils.
 local_multi_tensor_l2_norm``, which turns the per-tensor norms into a host list (``torch.tensor`` of
 0-d device tensors: one device-to-host copy and stream sync per parameter) and then copies the

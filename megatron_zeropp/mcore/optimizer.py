@@ -18,14 +18,14 @@ subclass :func:`zeropp_optimizer_class` builds works on the layer's :class:`Shar
    buffer that no longer exists;
 4. the dummy Adam step megatron-core takes before a torch_dist load is skipped (the layer's
    optimizer allocates the state it loads into; a step would move the shards);
-5. megatron-core 0.19 starts the step's parameter sync through the DDP bucket groups'
-   private ``_start_bucket_group_param_sync``; the layer has no such groups (it owns its
+5. megatron-core 0.18.2 and 0.19.2 start the step's parameter sync through the DDP bucket
+   groups' private ``_start_bucket_group_param_sync``; the layer has no such groups (it owns its
    gradients and gathers weights itself), so the subclass calls each chunk's public
-   ``start_param_sync()``, as 0.16.1 does.
+   ``start_param_sync()``, as 0.16.1 and 0.17.1 do themselves.
 
 megatron-core's ``get_megatron_optimizer`` instantiates ``DistributedOptimizer`` by name, so
 :func:`constructing` binds that name to the subclass for the duration of the call.
-Checked: 0.16.1, 0.19.1.
+Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from .version import at_least
 
 def copy_shard_attributes(shard: torch.Tensor, model_param: torch.nn.Parameter) -> None:
     """The attributes megatron-core copies from a parameter onto its optimizer shards (TP
-    attributes everywhere; ``shared`` in 0.16.1; GTP and optimizer metadata in 0.19)."""
+    attributes everywhere; ``shared`` in 0.16.1, 0.17.1 and 0.18.2; GTP and optimizer metadata
+    in 0.19.2). Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2."""
     from megatron.core import tensor_parallel
 
     tensor_parallel.copy_tensor_model_parallel_attributes(shard, model_param)
-    if not at_least(0, 17):
+    if not at_least(0, 19):
         if hasattr(model_param, "shared"):
             shard.shared = model_param.shared
         return
@@ -56,14 +57,14 @@ def copy_shard_attributes(shard: torch.Tensor, model_param: torch.nn.Parameter) 
 
 def param_range(opt, model_param) -> range:
     """This rank's element range of ``model_param`` in ``opt`` (megatron-core's
-    ``_get_model_param_range_map(p)["param"]``). Checked: 0.16.1, 0.19.1."""
+    ``_get_model_param_range_map(p)["param"]``). Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2."""
     r = opt._get_model_param_range_map(model_param)["param"]
     return range(r.start, r.end)
 
 
 def copy_main_params_to_model_params(opt) -> None:
     """Write ``opt``'s fp32 main params into the model's 16-bit weights (for the ZeRO subclass:
-    the primary shards). Checked: 0.16.1, 0.19.1."""
+    the primary shards). Checked: 0.16.1, 0.17.1, 0.18.2, 0.19.2."""
     opt._copy_main_params_to_model_params()
 
 
@@ -158,8 +159,9 @@ def zeropp_optimizer_class(shard_map: Mapping):
             pass
 
         def start_param_sync_for_bucket_group_subset(self) -> None:
-            # megatron-core >= 0.17: the step's parameter sync. The layer's own (new weight
-            # version, first gathers of the next forward) is its public start_param_sync.
+            # megatron-core 0.18.2 and 0.19.2: the step's parameter sync (0.16.1 and 0.17.1
+            # call each chunk's start_param_sync themselves and never this). The layer's own
+            # (new weight version, first gathers of the next forward) is its start_param_sync.
             for model_chunk in self.model_chunks:
                 model_chunk.start_param_sync()
 
@@ -169,7 +171,8 @@ def zeropp_optimizer_class(shard_map: Mapping):
 @contextlib.contextmanager
 def constructing(optimizer_class):
     """``megatron.core.optimizer.DistributedOptimizer`` is ``optimizer_class`` inside the block
-    (``get_megatron_optimizer`` looks the class up by that name). Checked: 0.16.1, 0.19.1."""
+    (``get_megatron_optimizer`` looks the class up by that name). Checked: 0.16.1, 0.17.1,
+    0.18.2, 0.19.2."""
     import megatron.core.optimizer as mcore_optimizer
 
     original = mcore_optimizer.DistributedOptimizer

@@ -17,7 +17,12 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_zeropp.mcore.buffers import bucket_view, build_buffer, group_by_dtypes
+from megatron_zeropp.mcore.buffers import (
+    CombinedBufferBase,
+    bucket_view,
+    build_buffer,
+    group_by_dtypes,
+)
 
 
 @dataclass
@@ -83,7 +88,7 @@ def build_unit_buffers(
     ]
 
 
-class CombinedBuffer:
+class CombinedBuffer(CombinedBufferBase):
     """The buckets of several units' buffers of one dtype, seen as one megatron-core buffer.
 
     Exposes what ``DistributedOptimizer`` and ``partition_buckets`` read: dtypes, buckets (with
@@ -101,8 +106,8 @@ class CombinedBuffer:
         self.data_parallel_group = first.data_parallel_group
         self.data_parallel_world_size = first.data_parallel_world_size
         self.gradient_scaling_factor = first.gradient_scaling_factor
-        # megatron-core 0.19 checks the layout was sized for the optimizer's group (0.16.1 never
-        # reads it): every unit's buffer is padded for the DP group.
+        # megatron-core 0.19.2 checks the layout was sized for the optimizer's group (0.16.1-0.18.2
+        # never read it): every unit's buffer is padded for the DP group.
         self.num_optimizer_shards = first.data_parallel_world_size
         self.buckets = []
         self.param_index_map = {}

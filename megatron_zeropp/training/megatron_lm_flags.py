@@ -126,6 +126,14 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
         errors.append(f"--fp8-format {args.fp8_format}: {_fp8_reason()}")
     elif args.fp8_param_gather:
         errors.append(f"--fp8-param-gather: {_fp8_reason()}")
+    if args.transformer_impl == "transformer_engine":
+        missing = [what for what, there in (("CUDA", torch_cuda_available()), (
+            "the transformer_engine package", importlib.util.find_spec("transformer_engine")))
+            if not there]
+        if missing:
+            errors.append(f"--transformer-impl transformer_engine (Megatron-LM's default) "
+                          f"needs {' and '.join(missing)}, which this machine lacks; use "
+                          "--transformer-impl local (megatron-core's own layers)")
     te = bool(importlib.util.find_spec("transformer_engine")) and args.transformer_impl != "local"
     if args.attention_backend not in ("auto", "local") and not te:
         errors.append(f"--attention-backend {args.attention_backend}: needs Transformer Engine's "

@@ -19,6 +19,8 @@ def use_transformer_engine(args) -> bool:
         return False
     available = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")
     if args.transformer_impl == "transformer_engine" and not available:
+        # pretrain_gpt.py refuses this at start (megatron_lm_flags.validate); a library caller
+        # that skipped validation gets the same reason here.
         raise ValueError("--transformer-impl transformer_engine needs CUDA and transformer_engine")
     return bool(available)
 
