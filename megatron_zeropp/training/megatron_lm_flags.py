@@ -109,6 +109,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _fp8_reason() -> str:
     if not importlib.util.find_spec("transformer_engine"):
         return "fp8 needs Transformer Engine, which is not importable here"
