@@ -153,7 +153,11 @@ def pretrain(ctx, path: str, argv) -> str:
     out = io.StringIO()
     old_argv = sys.argv
     sys.argv = [os.path.join(path, "pretrain_gpt.py"), *argv]
+    # as torchrun sets them: Megatron-LM's arguments read the world size and rank from here
     os.environ.setdefault("LOCAL_RANK", str(ctx.rank % ctx.ranks_per_node))
+    os.environ.setdefault("RANK", str(ctx.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ctx.world_size))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(ctx.ranks_per_node))
     try:
         with contextlib.redirect_stdout(out):
             runpy.run_path(sys.argv[0], run_name="__main__")
