@@ -241,7 +241,7 @@ def _measure(ctx, argv):
                               args.make_vocab_size_divisible_by, tp)
     config = transformer_config(args)
     topology = build_topology(ctx.world_size, tp, pp, cp, args.ranks_per_node)
-    model = wrap_data_parallel(args, config, build_gpt(args, config, vocab), topology)
+    (model,) = wrap_data_parallel(args, config, [build_gpt(args, config, vocab)], topology)
     optimizer, _ = build_optimizer(args, [model])
     model.zero_grad_buffer()
     optimizer.step()

@@ -25,6 +25,9 @@ def _collect(ctx, tp, pp, impl, zeropp=None, ddp=None, opt=None):
 
     _, chunks, optimizer = build(ctx, tp, pp, impl, zeropp, ddp, opt, vp=2)
     results = train(chunks, optimizer, STEPS, micro=MICRO, global_batch=GLOBAL_BATCH)
+    if (ddp or {}).get("overlap_param_gather"):
+        for chunk in chunks:  # megatron-core's DDP gathers the last step's weights in the next
+            chunk.start_param_sync(force_sync=True)  # forward: finish that before reading them
     return results, full_params(chunks)
 
 
@@ -45,12 +48,16 @@ def _assert_identical(ref, ours):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("overlap", ["sync", "overlap", "overlap-param-gather"])
 def test_flags_off_is_bit_identical_to_megatron(overlap):
     # unit="chunk": each chunk is one unit with megatron-core's buffer layout, so the gradient
-    # norm (a sum over the shards) and with it clipping agree bit for bit.
-    ddp = {"overlap_grad_reduce": overlap}
-    ref = _run("PP2xVP2xDP2", "megatron", ddp=ddp)
+    # norm (a sum over the shards) and with it clipping agree bit for bit. With
+    # overlap-param-gather megatron-core's DDP gathers each chunk's weights in the interleaved
+    # schedule (Megatron-LM's param_sync_func, align_param_gather); the layer gathers its own.
+    ddp = {"overlap_grad_reduce": overlap != "sync"}
+    theirs = dict(ddp, overlap_param_gather=True, align_param_gather=True) \
+        if overlap == "overlap-param-gather" else ddp
+    ref = _run("PP2xVP2xDP2", "megatron", ddp=theirs)
     ours = _run("PP2xVP2xDP2", "zeropp", zeropp=ZeroPPConfig(unit="chunk"), ddp=ddp)
     _assert_identical(ref, ours)
     assert sum(k.startswith("chunk1.") for k in ref[0][1]) > 0  # two chunks really trained
