@@ -17,6 +17,14 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--vocab-size 128").split()
 
 
+def _ramp_up_removed() -> bool:
+    from megatron_zeropp.mcore.microbatches import rampup_calculator
+
+    return rampup_calculator() is None
+
+
+@pytest.mark.skipif(_ramp_up_removed(), reason="megatron-core >= 0.18 removed the ramp-up "
+                                               "(refused: test_ramp_up_is_refused_where_...)")
 def test_sample_based_schedule_with_rampup_counts_iterations_like_megatron_lm():
     args = parse_args(BASE + "--train-samples 1000 --global-batch-size 32 --rampup-batch-size "
                       "8 8 300 --lr-warmup-fraction 0.1".split(), world_size=4)
@@ -293,3 +301,13 @@ def test_use_distributed_optimizer_is_honoured_on_megatron_core_ddp(capsys):
     with pytest.raises(SystemExit):
         parse_args(base + mcore + ["--overlap-grad-reduce", "--overlap-param-gather"], 2)
     assert "--overlap-param-gather needs --use-distributed-optimizer" in capsys.readouterr().err
+
+
+def test_ramp_up_is_refused_where_megatron_core_removed_it(capsys):
+    argv = BASE + "--train-samples 1000 --global-batch-size 32 --rampup-batch-size 8 8 300".split()
+    if not _ramp_up_removed():
+        assert parse_args(argv, world_size=4).rampup_batch_size == [8, 8, 300]  # the control
+        return
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=4)
+    assert "--rampup-batch-size: megatron-core 0.1" in capsys.readouterr().err

@@ -197,6 +197,14 @@ def validate(args, world_size: int, dp: int, errors: List[str], warnings: List[s
 def _schedule(args, dp: int, errors: List[str]) -> None:
     """Iteration- or sample-based training, as Megatron-LM's validate_args checks it."""
     if args.rampup_batch_size is not None:
+        from megatron_zeropp.mcore.microbatches import installed_version, rampup_calculator
+
+        if rampup_calculator() is None:
+            errors.append(f"--rampup-batch-size: megatron-core {installed_version()} has no "
+                          "batch-size ramp-up (removed in 0.18; Megatron-LM core_v0.19.0 has no "
+                          "such flag either); use megatron-core 0.16.1 or 0.17.1 for it, or a "
+                          "constant --global-batch-size")
+            return
         try:
             args.rampup_batch_size = [int(v) for v in args.rampup_batch_size]
         except ValueError:
@@ -289,12 +297,10 @@ def batch_size_schedule(args, dp):
     """``consumed_samples -> global batch size`` (constant without --rampup-batch-size)."""
     if args.rampup_batch_size is None:
         return lambda consumed: args.global_batch_size
-    from megatron.core.num_microbatches_calculator import (
-        RampupBatchsizeNumMicroBatchesCalculator,
-    )
+    from megatron_zeropp.mcore.microbatches import rampup_calculator
 
     start, incr, samples = args.rampup_batch_size
-    calc = RampupBatchsizeNumMicroBatchesCalculator(
+    calc = rampup_calculator()(
         args.global_batch_size, args.micro_batch_size, dp or 1, False, 0, start, incr, samples)
 
     def size(consumed: int) -> int:
