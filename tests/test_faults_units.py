@@ -194,3 +194,20 @@ def test_the_converter_names_itself_in_its_errors(tmp_path):
     assert run.stderr.strip().splitlines()[-1] == (
         f"convert_checkpoint.py: error: --input {tmp_path / 'nothing'}: no checkpoint")
     assert "pretrain_gpt.py" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_flag_agreement_names_differing_flags_and_skips_per_node_ones():
+    from megatron_zeropp.training import flag_agreement
+
+    def rank(argv):
+        return {"host": "node", "flags": flag_agreement.compared(parse_args(argv, 1))}
+
+    same = [rank(BASE + ["--save", "/a", "--data-cache-path", "/c0"]),
+            rank(BASE + ["--save", "/b", "--data-cache-path", "/c1"])]  # per node: may differ
+    flag_agreement.check(same)
+    other = rank(_set(BASE, "--lr", "2e-3") + ["--override-opt_param-scheduler"])
+    assert flag_agreement.differences(same + [other]) == [
+        "--lr (ranks [0, 1] (node): 0.001; rank 2 (node): 0.002)",
+        "--override-opt_param-scheduler (ranks [0, 1] (node): False; rank 2 (node): True)"]
+    with pytest.raises(StartupError, match="the ranks were started with different flags: --lr"):
+        flag_agreement.check(same + [other])

@@ -24,6 +24,8 @@ from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
 from .arguments import parse_args, print_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
+from .flag_agreement import check as check_same_flags
+from .flag_agreement import compared as compared_flags
 from .gpt_step import eval_step, mean_of, train_step
 from .logging_utils import (
     IntervalStats,
@@ -236,12 +238,14 @@ def _startup_checks(args):
 
 
 def _agree_at_start(args, load_iteration, error) -> None:
-    """The first collective: every rank's start-up verdict, then what each would load."""
+    """The first collective: every rank's start-up verdict, then what each would load, then
+    every rank's flags."""
     load, seen = checkpoint_checks.load_view(args.load, load_iteration) if error is None \
         else (None, None)
-    gathered = agreement.gather(error, load=load, seen=seen)
+    gathered = agreement.gather(error, load=load, seen=seen, flags=compared_flags(args))
     agreement.raise_errors(gathered)
     agreement.check_same(gathered, "load", "the checkpoint to load", show="seen")
+    check_same_flags(gathered)
     if args.save is not None:
         # rank 0 took the lock before the gather above: all must see it now (a node-local
         # --save would otherwise be found at the first save, after a whole interval)
