@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -124,7 +125,8 @@ def test_the_save_lock_keeps_a_second_job_out_and_is_given_back(tmp_path):
     save_lock.release(root)
 
 
-def test_a_dead_or_silent_holder_loses_the_lock(tmp_path):
+def test_a_dead_or_silent_holder_loses_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(save_lock, "CONFIRM_S", 0.5)  # the watch of an expired lock
     root = tmp_path / "ckpt"
     root.mkdir()
     lock = root / save_lock.LOCK
@@ -143,6 +145,133 @@ def test_a_dead_or_silent_holder_loses_the_lock(tmp_path):
     assert lock.exists()  # not ours any more: left alone
     save_lock.acquire(str(root), take_over=True)
     save_lock.release(str(root))
+
+
+def _lines(out, text):
+    return [x for x in out.splitlines() if text in x]
+
+
+def test_a_deleted_lock_is_put_back_and_only_another_token_is_a_takeover(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    lock = tmp_path / "ckpt" / save_lock.LOCK
+    save_lock.acquire(root)
+    try:
+        token = json.loads(lock.read_text())["token"]
+        lock.unlink()  # a cleanup script; the next save used to fail, "taken over by unknown"
+        save_lock.check_held(root)
+        assert json.loads(lock.read_text())["token"] == token
+        host = socket.gethostname()
+        assert _lines(capsys.readouterr().out, "re-created") == [
+            f"> --save {root}: its lock {lock} was deleted; re-created it (this job, host {host} "
+            f"pid {os.getpid()}, still holds --save)"]
+        lock.write_text("")  # nothing a job writes (the holder writes the whole file at once)
+        save_lock.check_held(root)
+        assert json.loads(lock.read_text())["token"] == token
+        assert len(_lines(capsys.readouterr().out, "no longer parsed; re-created it")) == 1
+        lock.write_text(json.dumps({"host": "node-4", "pid": 7, "token": "u"}))
+        with pytest.raises(RuntimeError, match="taken over by host node-4 pid 7"):
+            save_lock.check_held(root)  # another job's token: that is a takeover
+    finally:
+        save_lock.release(root)
+
+
+def test_the_refresher_counts_and_puts_a_deleted_lock_back(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(save_lock, "REFRESH_S", 0.05)
+    root = str(tmp_path / "ckpt")
+    lock = tmp_path / "ckpt" / save_lock.LOCK
+    save_lock.acquire(root)
+    try:
+        first = json.loads(lock.read_text())
+        lock.unlink()
+        for _ in range(400):  # bounded (20 s); a refresh is due every 0.05 s
+            if lock.exists() and json.loads(lock.read_text())["refreshes"] > first["refreshes"]:
+                break
+            time.sleep(0.05)
+        now = json.loads(lock.read_text())
+        assert now["token"] == first["token"] and now["refreshes"] > first["refreshes"]
+        assert len(_lines(capsys.readouterr().out, "was deleted; re-created it")) == 1
+    finally:
+        save_lock.release(root)
+    assert not lock.exists()
+
+
+def _stale_lock(root, **fields):
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, save_lock.LOCK)
+    info = {"host": "node-3", "pid": 1, "job": "8812", "token": "t",
+            "started": "2026-12-01T09:00:00Z", **fields}
+    with open(path, "w") as f:
+        json.dump(info, f)
+    return path
+
+
+def test_every_takeover_logs_its_old_holder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(save_lock, "CONFIRM_S", 0.5)
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60)
+    dead = int(gone.stdout)
+    cases = [  # (lock fields, age in s, why the log gives)
+        ({}, save_lock.LEASE_S + 5, "not refreshed for 0 s of watching (its file time is "
+                                     f"{save_lock.LEASE_S + 5:.0f} s from this host's clock)"),
+        ({"host": host, "pid": dead}, 0, f"its process {dead} on this host is gone"),
+        ({"host": host, "pid": os.getpid(), "pid_started": 1.0}, 0,
+         f"pid {os.getpid()} on this host is now another process"),
+    ]
+    for i, (fields, age, why) in enumerate(cases):
+        root = str(tmp_path / f"ckpt{i}")
+        path = _stale_lock(root, **fields)
+        os.utime(path, (time.time() - age, time.time() - age))
+        save_lock.acquire(root)
+        save_lock.release(root)
+        pid = fields.get("pid", 1)
+        lines = _lines(capsys.readouterr().out, "took over the lock of")
+        assert len(lines) == 1 and lines[0].startswith(
+            f"> --save {root}: took over the lock of host {fields.get('host', 'node-3')} pid "
+            f"{pid}, job 8812, started 2026-12-01T09:00:00Z: {why}"), lines
+    root = str(tmp_path / "empty")
+    os.makedirs(root)
+    open(os.path.join(root, save_lock.LOCK), "w").close()  # an empty lock file (touch)
+    save_lock.acquire(root)  # it used to refuse for 120 s: "in use by an unknown job"
+    save_lock.release(root)
+    assert _lines(capsys.readouterr().out, "took over") == [
+        f"> --save {root}: took over the lock of an unknown job (unparsable lock file): its lock "
+        f"file does not parse (a live holder writes it whole every {save_lock.REFRESH_S:.0f} s)"]
+
+
+def test_clock_skew_cannot_take_a_live_holders_lock(tmp_path, monkeypatch):
+    # The holder's host (or the file server) stamps times an hour behind this host's clock: by
+    # file time alone its lock looks expired. Its refreshes, watched here, prove it alive.
+    monkeypatch.setattr(save_lock, "CONFIRM_S", 1.0)
+    root = str(tmp_path / "ckpt")
+    path = _stale_lock(root, refreshes="0" * 12)
+    stop = threading.Event()
+
+    def refresh(n):  # the holder's bytes and its skewed file time, together
+        with open(path + ".next", "w") as f:
+            json.dump({**json.load(open(path)), "refreshes": str(n).zfill(12)}, f)
+        os.utime(path + ".next", (time.time() - 3600, time.time() - 3600))
+        os.replace(path + ".next", path)
+
+    def holder():
+        n = 0
+        while not stop.wait(0.05):
+            n += 1
+            refresh(n)
+    refresh(0)
+    worker = threading.Thread(target=holder, daemon=True)
+    worker.start()
+    try:
+        with pytest.raises(StartupError, match="yet its holder refreshed it meanwhile: the "
+                                               "clocks of this host and of the holder or the "
+                                               "file server disagree"):
+            save_lock.acquire(root)
+    finally:
+        stop.set()
+        worker.join()
+    assert json.load(open(path))["token"] == "t"  # still the holder's
+    save_lock.acquire(root)  # holder silent now: the same lock is taken over after the watch
+    save_lock.release(root)
 
 
 @pytest.fixture
