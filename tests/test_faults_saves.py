@@ -86,3 +86,16 @@ def test_a_lock_deleted_during_the_run_is_put_back_and_every_save_happens(tmp_pa
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004",
                                         "latest_checkpointed_iteration.txt"]  # lock given back
 
+
+def test_the_first_line_after_a_resume_logs_its_own_iterations(tmp_path):
+    save = str(tmp_path / "ckpt")
+    full = run_distributed(_logged, 1, 2, args=(_fp32_argv(
+        tmp_path, 6, ["--save", save, "--save-interval", "3"]),))[1][1]
+    resumed = run_distributed(_logged, 1, 2, args=(_fp32_argv(
+        tmp_path, 6, ["--load", save, "--ckpt-step", "3"]),))[1][1]
+    full, resumed = _loss_lines(full), _loss_lines(resumed)
+    assert sorted(resumed) == [4, 5, 6]
+    # Megatron-LM's line 5 here is the mean of iterations 4 and 5 (not reset after a run's first
+    # line); ours is iteration 5's, as in the run that was not interrupted
+    assert all(resumed[i] == full[i] for i in (4, 5, 6)), (full, resumed)
+    assert full[4] != full[5]  # (a mean of 4 and 5 would differ: the check can fail)

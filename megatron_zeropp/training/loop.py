@@ -398,8 +398,11 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                        loss_scale=loss_scale, grad_norm=result.grad_norm,
                        num_zeros=result.num_zeros, params_norm=norm, world_size=world,
                        seconds=seconds, throughput=flops / seconds / world / 1e12)
-        # Megatron-LM logs the first iteration of every run and does not reset after it: the
-        # next line averages from that first iteration on (its training_log's should_reset).
+        # As Megatron-LM, the first iteration of every run is logged. Each line then holds the
+        # iterations of its interval (after the last multiple of --log-interval) that this run
+        # trained: a first line inside an interval is not reset after (that interval's line
+        # counts it too), one that ends an interval is (a resume at a multiple, --log-interval
+        # 1), where Megatron-LM's next line averages two intervals (docs/ecosystem.md).
         first_line = not logged
         if iteration % args.log_interval == 0 or iteration == args.train_iters or first_line:
             logged = True
@@ -409,7 +412,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                                    num_zeros=result.num_zeros, params_norm=norm,
                                    decoupled_lr=_decoupled_lr(args, optimizer),
                                    qgz_error=qgz_error["total"] if qgz_error else None))
-            if not first_line:
+            if not first_line or iteration % args.log_interval == 0:
                 stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
             collector.eval_boundary()
