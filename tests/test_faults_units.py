@@ -340,3 +340,42 @@ def test_the_flag_agreement_names_differing_flags_and_skips_per_node_ones():
         "--override-opt_param-scheduler (ranks [0, 1] (node): False; rank 2 (node): True)"]
     with pytest.raises(StartupError, match="the ranks were started with different flags: --lr"):
         flag_agreement.check(same + [other])
+
+
+def _fake_input(tmp_path, iteration=3):
+    """A directory that names a checkpoint without holding one: anything that tried to load it
+    would fail on its files, so an error about the output proves the output came first."""
+    root = tmp_path / "input"
+    (root / f"iter_{iteration:07d}").mkdir(parents=True, exist_ok=True)
+    (root / checks._LATEST).write_text(str(iteration))
+    return str(root)
+
+
+@pytest.mark.parametrize("layout", ["distributed", "non-distributed"])
+def test_the_converter_checks_its_output_before_loading(tmp_path, layout):
+    from megatron_zeropp.training import convert
+
+    def run(output):
+        if layout == "distributed":
+            convert.convert(_fake_input(tmp_path), output, "torch_dist")
+        else:
+            convert.to_non_distributed(_fake_input(tmp_path), output)
+
+    taken = tmp_path / "taken"
+    (taken / "iter_0000003").mkdir(parents=True)
+    with pytest.raises(StartupError) as e:
+        run(str(taken))
+    # it used to load the whole checkpoint, then suggest --overwrite-checkpoints, a flag the
+    # converter does not have
+    assert str(e.value) == (f"--output {taken} already holds iteration 3 "
+                            f"({taken / 'iter_0000003'}): convert into another directory, or "
+                            f"remove that one first")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StartupError, match=f"^--output {tmp_path / 'file'} exists and is not a "
+                                           f"directory$"):
+        run(str(tmp_path / "file"))
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / checks._LATEST).write_text("5")
+    with pytest.raises(StartupError, match="names iteration 5, after 3"):
+        run(str(later))

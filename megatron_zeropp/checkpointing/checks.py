@@ -97,14 +97,15 @@ def load_view(load: Optional[str], iteration: Optional[int]):
     return (iteration, ident), f"iteration {iteration} of --load {load} (checkpoint id {ident})"
 
 
-def check_save_writable(save: Optional[str]) -> None:
-    """``--save`` must be a directory this process can create files in (or be creatable): found
-    at start, not after a whole --save-interval of training. Probed by creating and removing a
-    file, which also catches read-only mounts that permission bits do not show."""
+def check_save_writable(save: Optional[str], flag: str = "--save") -> None:
+    """``--save`` (or the tool's ``flag``) must be a directory this process can create files in
+    (or be creatable): found at start, not after a whole --save-interval of training. Probed by
+    creating and removing a file, which also catches read-only mounts that permission bits do
+    not show."""
     if save is None:
         return
     if os.path.exists(save) and not os.path.isdir(save):
-        raise StartupError(f"--save {save} exists and is not a directory")
+        raise StartupError(f"{flag} {save} exists and is not a directory")
     probe_dir = save
     while not os.path.exists(probe_dir):
         parent = os.path.dirname(os.path.abspath(probe_dir))
@@ -112,7 +113,7 @@ def check_save_writable(save: Optional[str]) -> None:
             break
         probe_dir = parent
     if not os.path.isdir(probe_dir):
-        raise StartupError(f"--save {save}: {probe_dir} is not a directory, so {save} cannot "
+        raise StartupError(f"{flag} {save}: {probe_dir} is not a directory, so {save} cannot "
                            f"be created")
     probe = os.path.join(probe_dir, f".zeropp_write_probe.{os.getpid()}")
     try:
@@ -121,8 +122,23 @@ def check_save_writable(save: Optional[str]) -> None:
         os.remove(probe)
     except OSError as e:
         what = "" if probe_dir == save else f" ({probe_dir}, where it would be created)"
-        raise StartupError(f"--save {save}: cannot write files in it{what}: "
+        raise StartupError(f"{flag} {save}: cannot write files in it{what}: "
                            f"{e.strerror or e}") from None
+
+
+def check_output(output: str, iteration: int) -> None:
+    """A converter's ``--output`` before anything is loaded: a writable directory that holds
+    neither ``iteration`` nor a later latest (a save there would replace or move it back)."""
+    check_save_writable(output, "--output")
+    latest = latest_iteration(output)
+    if os.path.exists(_iteration_dir(output, iteration)):
+        raise StartupError(f"--output {output} already holds iteration {iteration} "
+                           f"({_iteration_dir(output, iteration)}): convert into another "
+                           f"directory, or remove that one first")
+    if latest is not None and latest > iteration:
+        raise StartupError(f"--output {output}: its {_LATEST} names iteration {latest}, after "
+                           f"{iteration}: writing it there would move {_LATEST} back; convert "
+                           f"into another directory")
 
 
 def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
