@@ -4,6 +4,7 @@ torch_dist directory written with torch.distributed.checkpoint alone)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -379,3 +380,19 @@ def test_the_converter_checks_its_output_before_loading(tmp_path, layout):
     (later / checks._LATEST).write_text("5")
     with pytest.raises(StartupError, match="names iteration 5, after 3"):
         run(str(later))
+
+
+def test_sigint_is_a_stop_of_one_line_like_sigterm():
+    # torchrun passes Ctrl-C's SIGINT on to its ranks: it used to print a KeyboardInterrupt
+    # traceback and "[rank 0] FAILED in ...", exit 1
+    script = ("import sys, time\nfrom megatron_zeropp.training.launch import run_guarded\n"
+              "def wait():\n    print('ready', flush=True)\n    time.sleep(300)\n"
+              "run_guarded(wait)\n")
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    assert job.stdout.readline() == "ready\n"
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 130  # 128 + SIGINT, as a shell reports Ctrl-C
+    assert err == "[rank 0] stopped by SIGINT\n"
+

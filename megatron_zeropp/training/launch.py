@@ -110,12 +110,15 @@ def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None
     parent_watch.watch_agent()
     try:
         fn()
-    except shutdown.Terminated as exc:
+    except (shutdown.Terminated, KeyboardInterrupt) as exc:
+        # An operator's or a launcher's stop, not a failure: one line, no traceback. (torchrun
+        # passes the signal it got on to its ranks: Ctrl-C reaches them as SIGINT.)
         shutdown.begin_exit()
+        signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
         why = f": {parent_watch.describe()}" if parent_watch.stopped_by_agent_death() \
-            else f" by {exc}"
+            else f" by {signum.name}"
         print(f"[rank {os.environ.get('RANK', '0')}] stopped{why}", file=sys.stderr, flush=True)
-        shutdown.failed_exit(128 + signal.SIGTERM)
+        shutdown.failed_exit(128 + signum)
     except SystemExit:
         # argparse's exit (before any group) or an explicit one: the usual exit, tidied first
         shutdown.stop_writer_processes()
@@ -131,7 +134,7 @@ def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None
             # SIGTERM ends this wait).
             try:
                 time.sleep(RANK0_GRACE_S)
-            except shutdown.Terminated:
+            except (shutdown.Terminated, KeyboardInterrupt):
                 pass
         sys.stdout.flush()
         shutdown.failed_exit(2 if isinstance(exc, StartupError) else 1)
