@@ -396,3 +396,18 @@ def test_sigint_is_a_stop_of_one_line_like_sigterm():
     assert job.returncode == 130  # 128 + SIGINT, as a shell reports Ctrl-C
     assert err == "[rank 0] stopped by SIGINT\n"
 
+
+def test_a_save_that_runs_out_of_space_says_so(tmp_path):
+    # A full disk surfaced as torch's "[enforce fail at inline_container.cc:672] . unexpected
+    # pos 128 vs 0"; a file size limit (ulimit -f) fails the same way and is cheaper to set up
+    script = ("import resource, sys, torch\n"
+              "from megatron_zeropp.checkpointing import checks\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+              "with checks.writing(sys.argv[1], 4):\n"
+              "    torch.save(torch.zeros(100000), sys.argv[1] + '/rank.pt')\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: saving iteration 4 into {tmp_path} failed with ")
+    assert " MiB free of " in last and "a file size limit (ulimit -f) of 0.1 MiB: " in last, last

@@ -17,6 +17,7 @@ and raise the same :class:`~megatron_zeropp.errors.StartupError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -359,3 +360,35 @@ def load_scheduler(scheduler, state: dict, override: bool, use_checkpoint: bool)
     if use_checkpoint:
         return "LR schedule: the checkpoint's (--use-checkpoint-opt_param-scheduler)"
     return "LR schedule: the checkpoint's, which equals the command line's"
+
+
+@contextlib.contextmanager
+def writing(root: str, iteration: int):
+    """Around the writes of a save: a failure says how full the filesystem of ``root`` is and
+    what file size limit the process has. A full disk surfaced as torch's "[enforce fail at
+    inline_container.cc:672] . unexpected pos 128 vs 0" or megatron-core's "CheckpointException
+    ranks:dict_keys([1])", which name neither."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        raise RuntimeError(f"saving iteration {iteration} into {root} failed with "
+                           f"{_space(root)}: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:300]}") from e
+
+
+def _space(root: str) -> str:
+    import resource
+    import shutil
+
+    try:
+        usage = shutil.disk_usage(root)
+        text = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on its " \
+               f"filesystem"
+    except OSError as e:
+        text = f"its filesystem unreadable ({e.strerror or e})"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        text += f", and a file size limit (ulimit -f) of {limit / 2**20:.1f} MiB"
+    return text

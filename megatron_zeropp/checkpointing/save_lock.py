@@ -190,7 +190,7 @@ def acquire(root: str, take_over: bool = False) -> None:
     token = uuid.uuid4().hex
     info = {"host": socket.gethostname(), "pid": os.getpid(),
             "pid_started": _process_started(os.getpid()), "token": token,
-            "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"),
+            "job": os.environ.get("SLURM_JOB_ID") or _torchrun_job(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "refreshes": "0" * _COUNTER_DIGITS}
     taken = None  # (old holder, why): logged once this job's lock is in place
@@ -222,6 +222,11 @@ def acquire(root: str, take_over: bool = False) -> None:
             taken = (other, reason)
     raise StartupError(f"--save {root}: could not take its lock {path}: other jobs keep "
                        f"taking it at the same moment")
+
+
+def _torchrun_job() -> Optional[str]:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id == "none" else run_id  # torchrun's default without --rdzv-id
 
 
 def _key(root: str) -> str:
