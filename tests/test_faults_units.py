@@ -411,3 +411,23 @@ def test_a_save_that_runs_out_of_space_says_so(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith(f"RuntimeError: saving iteration 4 into {tmp_path} failed with ")
     assert " MiB free of " in last and "a file size limit (ulimit -f) of 0.1 MiB: " in last, last
+
+
+def test_a_vocabulary_padded_for_another_tp_names_the_flag_that_loads_it(tmp_path):
+    # resuming a TP 1 checkpoint at TP 2 (torch_dist reshards) failed naming the rows only
+    it = tmp_path / "iter_0000004"
+    it.mkdir()
+    saved = {"padded vocabulary size": 128, "--tensor-model-parallel-size": 1, "--num-layers": 2}
+    checks.write_model_config(str(it), saved)
+    at_tp2 = {**saved, "padded vocabulary size": 256, "--tensor-model-parallel-size": 2}
+    with pytest.raises(StartupError) as e:
+        checks.check_model_config(str(tmp_path), 4, at_tp2, layout_free=True)
+    assert str(e.value) == (
+        f"checkpoint {it} holds another model: padded vocabulary size checkpoint 128 vs this "
+        f"run 256 (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "
+        f"TP, and this run's TP is 2, the checkpoint's 1: pass --padded-vocab-size 128 to load "
+        f"it)")
+    with pytest.raises(StartupError) as e:  # the same TP: other rows are another vocabulary
+        checks.check_model_config(str(tmp_path), 4, {**saved, "padded vocabulary size": 256},
+                                  layout_free=True)
+    assert "--padded-vocab-size" not in str(e.value)

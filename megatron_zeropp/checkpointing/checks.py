@@ -258,7 +258,20 @@ def check_model_config(load: str, iteration: int, current: Dict[str, object],
              if saved.get(key) != value and not (layout_free and key in LAYOUT_KEYS)]
     if diffs:
         raise StartupError(f"checkpoint {_iteration_dir(load, iteration)} holds another model: "
-                           + "; ".join(diffs))
+                           + "; ".join(diffs) + _vocab_hint(saved, current, layout_free))
+
+
+def _vocab_hint(saved: Dict[str, object], current: Dict[str, object], layout_free: bool) -> str:
+    # The padded vocabulary is --make-vocab-size-divisible-by x TP rows: at another TP the same
+    # tokenizer pads to other rows, which only the rows themselves, given, undo.
+    key, tp = "padded vocabulary size", "--tensor-model-parallel-size"
+    rows = saved.get(key)
+    if not (layout_free and isinstance(rows, int) and rows != current.get(key)
+            and saved.get(tp) != current.get(tp) and rows % (current.get(tp) or 1) == 0):
+        return ""
+    return (f" (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP, "
+            f"and this run's TP is {current.get(tp)}, the checkpoint's {saved.get(tp)}: pass "
+            f"--padded-vocab-size {rows} to load it)")
 
 
 def _config_from_rank_file(directory: str) -> Dict[str, object]:
