@@ -150,10 +150,12 @@ def _judge(path: str, info: Optional[dict]) -> Tuple[Optional[str], str]:
     while time.monotonic() < deadline:
         time.sleep(min(0.5, CONFIRM_S / 10))
         now = _observe(path)
+        if now is None:
+            raise FileNotFoundError(path)  # released meanwhile: acquire tries again
         if now != before:
             return None, (f"its file time is {age:.0f} s from this host's clock, yet its holder "
                           f"refreshed it meanwhile: the clocks of this host and of the holder "
-                          f"or the file server disagree")
+                          f"or the file server disagree, or its refreshes were late")
     return (f"not refreshed for {CONFIRM_S:.0f} s of watching (its file time is {age:.0f} s "
             f"from this host's clock)"), ""
 
