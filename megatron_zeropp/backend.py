@@ -88,10 +88,37 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     else:
         apply_cpu_patches()
     if not dist.is_initialized():
-        dist.init_process_group(
-            chosen, timeout=datetime.timedelta(minutes=timeout_minutes)
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = restarted_ranks_store(timeout)
+        if store is None:
+            dist.init_process_group(chosen, timeout=timeout)
+        else:
+            dist.init_process_group(chosen, timeout=timeout, store=store[0], rank=store[1],
+                                    world_size=store[2])
     return chosen
+
+
+def restarted_ranks_store(timeout: datetime.timedelta, environ=os.environ):
+    """``(store, rank, world)`` for ranks that torchrun restarted (``--max-restarts``) on its
+    own store, else None (torch's default rendezvous).
+
+    Restarted ranks connect to the same store the agent kept, where the previous attempt's
+    ranks left their addresses under the same keys: gloo's ranks then read a dead rank's
+    address and fail with "connectFullMesh failed ... Connection refused" (with torch's own
+    scripts too; torch 2.13, static and c10d rendezvous). Each attempt's keys get their own
+    prefix, the agent's restart count, which every rank of one agent shares. Only for one
+    agent (one node): agents count their restarts out of step (PyTorch issue 135712), so on
+    several nodes torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with ``--rdzv-backend c10d``
+    (a new store per attempt) is the way, and there this is not needed.
+    """
+    import torch.distributed as dist
+
+    restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or \
+            environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"zeropp_attempt_{restart}", store), rank, world
 
 
 def world_timeout() -> datetime.timedelta:

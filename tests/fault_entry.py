@@ -3,7 +3,8 @@
 ``ZEROPP_TEST_FAULT`` picks it: ``freeze:RANK:ITER`` (RANK stops responding after iteration
 ITER, as a hung kernel or a stopped process would), ``kill:RANK:ITER`` (RANK dies),
 ``kill_save:RANK:ITER`` (RANK dies while writing ITER's checkpoint), ``nan:ITER`` (the
-loss of iteration ITER+1 becomes NaN on every rank). Without it this is pretrain_gpt.py.
+loss of iteration ITER+1 becomes NaN on every rank). Without it, and in ranks torchrun restarted
+(``--max-restarts``), this is pretrain_gpt.py.
 
 ``ZEROPP_TEST_RANK_ARGV=RANK`` with ``ZEROPP_TEST_ARGV_FROM`` / ``ZEROPP_TEST_ARGV_TO``: on that
 rank only, the command-line value FROM reads TO (a node-local path that differs between nodes).
@@ -16,8 +17,8 @@ import time
 
 def _hook():
     spec = os.environ.get("ZEROPP_TEST_FAULT")
-    if not spec:
-        return None
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None  # (torchrun --max-restarts: the restarted ranks run without it)
     kind, *nums = spec.split(":")
     nums = [int(n) for n in nums]
     rank = int(os.environ["RANK"])

@@ -58,6 +58,16 @@ def test_tool_dry_run_prints_the_command(capsys):
     assert "--nproc-per-node 4" in out and "--ranks-share-gpu --ranks-per-node 2 --lr 1" in out
 
 
+def test_tool_says_pretrain_flags_go_after_the_double_dash(capsys):
+    with pytest.raises(SystemExit) as e:
+        N.main(["--nodes", "2", "--ranks-per-node", "2", "--num-layers", "2", "--lr", "1e-3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "numerics_lab.py: error: unrecognized arguments: --num-layers 2 --lr 1e-3: "
+        "pretrain_gpt.py's flags go after '--' (numerics_lab.py --nodes 2 --ranks-per-node 2 "
+        "-- --num-layers 2 --lr 1e-3)")
+
+
 def test_job_command_is_the_lab_over_the_study_flags(tmp_path):
     run = _run(tmp_path)
     cmd = L.job_command(run, "all3@seed2", 1234)

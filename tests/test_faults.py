@@ -44,15 +44,15 @@ def _env(fault=None, **extra):
     return env
 
 
-def _torchrun(nproc, argv):
+def _torchrun(nproc, argv, torchrun_args=()):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), ENTRY, *argv]
+            "--master-port", str(_free_port()), *torchrun_args, ENTRY, *argv]
 
 
-def _launch(nproc, argv, fault=None, cwd=None, env=None):
+def _launch(nproc, argv, fault=None, cwd=None, env=None, torchrun_args=()):
     """torchrun the job; whatever way it ends, no process of it may be left (checked here)."""
     marker = uuid.uuid4().hex
-    run = subprocess.run(_torchrun(nproc, argv), capture_output=True, text=True,
+    run = subprocess.run(_torchrun(nproc, argv, torchrun_args), capture_output=True, text=True,
                          env={**_env(fault, ZEROPP_TEST_JOB=marker), **(env or {})},
                          timeout=LIMIT_S, cwd=cwd or ROOT)
     assert _survivors(marker) == [], run.stderr[-3000:]
@@ -188,6 +188,29 @@ def test_a_killed_rank_ends_the_job(prev):
     assert run.returncode != 0
     assert "exitcode  : 9" in run.stderr and "rank      : 1" in run.stderr, run.stderr[-3000:]
     assert _fingerprint(*dirs) == before
+
+
+def test_torchrun_restarts_a_killed_rank_0_and_the_job_completes(prev):
+    # --max-restarts: the restarted ranks used to fail in init_process_group ("Gloo
+    # connectFullMesh failed ... Connection refused": the previous attempt's addresses in
+    # torchrun's store); now they take over the dead rank 0's lock, resume from iteration 4 and
+    # finish (the fault is injected in the first attempt only)
+    copy, before, dirs = prev
+    ckpt = str(copy / "ckpt")
+    run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]),
+                  fault="kill:0:5", torchrun_args=("--max-restarts", "1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    took = [x for x in run.stdout.splitlines() if "took over the lock of" in x]
+    assert len(took) == 1 and took[0].startswith(f"> --save {ckpt}: took over the lock of host "
+                                                 f"{socket.gethostname()} pid "), run.stdout[-3000:]
+    assert took[0].endswith("on this host is gone")
+    assert run.stdout.count("> loaded checkpoint of iteration 4") == 2  # once per attempt
+    assert "iteration        8/       8" in run.stdout
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "8"
+    assert not os.path.exists(os.path.join(ckpt, ".save_lock"))
+    after = _fingerprint(*dirs)
+    assert {k: v for k, v in after.items() if k in before and "latest_" not in k} == {
+        k: v for k, v in before.items() if "latest_" not in k}  # iterations 2 and 4 kept
 
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoints(prev):

@@ -4,9 +4,11 @@ torch_dist directory written with torch.distributed.checkpoint alone)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -124,7 +126,8 @@ def test_the_save_lock_keeps_a_second_job_out_and_is_given_back(tmp_path):
     save_lock.release(root)
 
 
-def test_a_dead_or_silent_holder_loses_the_lock(tmp_path):
+def test_a_dead_or_silent_holder_loses_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(save_lock, "CONFIRM_S", 0.5)  # the watch of an expired lock
     root = tmp_path / "ckpt"
     root.mkdir()
     lock = root / save_lock.LOCK
@@ -143,6 +146,133 @@ def test_a_dead_or_silent_holder_loses_the_lock(tmp_path):
     assert lock.exists()  # not ours any more: left alone
     save_lock.acquire(str(root), take_over=True)
     save_lock.release(str(root))
+
+
+def _lines(out, text):
+    return [x for x in out.splitlines() if text in x]
+
+
+def test_a_deleted_lock_is_put_back_and_only_another_token_is_a_takeover(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    lock = tmp_path / "ckpt" / save_lock.LOCK
+    save_lock.acquire(root)
+    try:
+        token = json.loads(lock.read_text())["token"]
+        lock.unlink()  # a cleanup script; the next save used to fail, "taken over by unknown"
+        save_lock.check_held(root)
+        assert json.loads(lock.read_text())["token"] == token
+        host = socket.gethostname()
+        assert _lines(capsys.readouterr().out, "re-created") == [
+            f"> --save {root}: its lock {lock} was deleted; re-created it (this job, host {host} "
+            f"pid {os.getpid()}, still holds --save)"]
+        lock.write_text("")  # nothing a job writes (the holder writes the whole file at once)
+        save_lock.check_held(root)
+        assert json.loads(lock.read_text())["token"] == token
+        assert len(_lines(capsys.readouterr().out, "no longer parsed; re-created it")) == 1
+        lock.write_text(json.dumps({"host": "node-4", "pid": 7, "token": "u"}))
+        with pytest.raises(RuntimeError, match="taken over by host node-4 pid 7"):
+            save_lock.check_held(root)  # another job's token: that is a takeover
+    finally:
+        save_lock.release(root)
+
+
+def test_the_refresher_counts_and_puts_a_deleted_lock_back(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(save_lock, "REFRESH_S", 0.05)
+    root = str(tmp_path / "ckpt")
+    lock = tmp_path / "ckpt" / save_lock.LOCK
+    save_lock.acquire(root)
+    try:
+        first = json.loads(lock.read_text())
+        lock.unlink()
+        for _ in range(400):  # bounded (20 s); a refresh is due every 0.05 s
+            if lock.exists() and json.loads(lock.read_text())["refreshes"] > first["refreshes"]:
+                break
+            time.sleep(0.05)
+        now = json.loads(lock.read_text())
+        assert now["token"] == first["token"] and now["refreshes"] > first["refreshes"]
+        assert len(_lines(capsys.readouterr().out, "was deleted; re-created it")) == 1
+    finally:
+        save_lock.release(root)
+    assert not lock.exists()
+
+
+def _stale_lock(root, **fields):
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, save_lock.LOCK)
+    info = {"host": "node-3", "pid": 1, "job": "8812", "token": "t",
+            "started": "2026-12-01T09:00:00Z", **fields}
+    with open(path, "w") as f:
+        json.dump(info, f)
+    return path
+
+
+def test_every_takeover_logs_its_old_holder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(save_lock, "CONFIRM_S", 0.5)
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60)
+    dead = int(gone.stdout)
+    cases = [  # (lock fields, age in s, why the log gives)
+        ({}, save_lock.LEASE_S + 5, "not refreshed for 0 s of watching (its file time is "
+                                     f"{save_lock.LEASE_S + 5:.0f} s from this host's clock)"),
+        ({"host": host, "pid": dead}, 0, f"its process {dead} on this host is gone"),
+        ({"host": host, "pid": os.getpid(), "pid_started": 1.0}, 0,
+         f"pid {os.getpid()} on this host is now another process"),
+    ]
+    for i, (fields, age, why) in enumerate(cases):
+        root = str(tmp_path / f"ckpt{i}")
+        path = _stale_lock(root, **fields)
+        os.utime(path, (time.time() - age, time.time() - age))
+        save_lock.acquire(root)
+        save_lock.release(root)
+        pid = fields.get("pid", 1)
+        lines = _lines(capsys.readouterr().out, "took over the lock of")
+        assert len(lines) == 1 and lines[0].startswith(
+            f"> --save {root}: took over the lock of host {fields.get('host', 'node-3')} pid "
+            f"{pid}, job 8812, started 2026-12-01T09:00:00Z: {why}"), lines
+    root = str(tmp_path / "empty")
+    os.makedirs(root)
+    open(os.path.join(root, save_lock.LOCK), "w").close()  # an empty lock file (touch)
+    save_lock.acquire(root)  # it used to refuse for 120 s: "in use by an unknown job"
+    save_lock.release(root)
+    assert _lines(capsys.readouterr().out, "took over") == [
+        f"> --save {root}: took over the lock of an unknown job (unparsable lock file): its lock "
+        f"file does not parse (a live holder writes it whole every {save_lock.REFRESH_S:.0f} s)"]
+
+
+def test_clock_skew_cannot_take_a_live_holders_lock(tmp_path, monkeypatch):
+    # The holder's host (or the file server) stamps times an hour behind this host's clock: by
+    # file time alone its lock looks expired. Its refreshes, watched here, prove it alive.
+    monkeypatch.setattr(save_lock, "CONFIRM_S", 1.0)
+    root = str(tmp_path / "ckpt")
+    path = _stale_lock(root, refreshes="0" * 12)
+    stop = threading.Event()
+
+    def refresh(n):  # the holder's bytes and its skewed file time, together
+        with open(path + ".next", "w") as f:
+            json.dump({**json.load(open(path)), "refreshes": str(n).zfill(12)}, f)
+        os.utime(path + ".next", (time.time() - 3600, time.time() - 3600))
+        os.replace(path + ".next", path)
+
+    def holder():
+        n = 0
+        while not stop.wait(0.05):
+            n += 1
+            refresh(n)
+    refresh(0)
+    worker = threading.Thread(target=holder, daemon=True)
+    worker.start()
+    try:
+        with pytest.raises(StartupError, match="yet its holder refreshed it meanwhile: the "
+                                               "clocks of this host and of the holder or the "
+                                               "file server disagree"):
+            save_lock.acquire(root)
+    finally:
+        stop.set()
+        worker.join()
+    assert json.load(open(path))["token"] == "t"  # still the holder's
+    save_lock.acquire(root)  # holder silent now: the same lock is taken over after the watch
+    save_lock.release(root)
 
 
 @pytest.fixture
@@ -220,3 +350,110 @@ def test_the_common_state_is_common_pt_or_megatron_core_0_19s_object(dist_dir):
         with pytest.raises(StartupError, match="written with megatron-core 0.17 or newer .* "
                                                "Load it under megatron-core 0.19"):
             integrity.check_files(str(d))
+
+
+def test_the_flag_agreement_names_differing_flags_and_skips_per_node_ones():
+    from megatron_zeropp.training import flag_agreement
+
+    def rank(argv):
+        return {"host": "node", "flags": flag_agreement.compared(parse_args(argv, 1))}
+
+    same = [rank(BASE + ["--save", "/a", "--data-cache-path", "/c0"]),
+            rank(BASE + ["--save", "/b", "--data-cache-path", "/c1"])]  # per node: may differ
+    flag_agreement.check(same)
+    other = rank(_set(BASE, "--lr", "2e-3") + ["--override-opt_param-scheduler"])
+    assert flag_agreement.differences(same + [other]) == [
+        "--lr (ranks [0, 1] (node): 0.001; rank 2 (node): 0.002)",
+        "--override-opt_param-scheduler (ranks [0, 1] (node): False; rank 2 (node): True)"]
+    with pytest.raises(StartupError, match="the ranks were started with different flags: --lr"):
+        flag_agreement.check(same + [other])
+
+
+def _fake_input(tmp_path, iteration=3):
+    """A directory that names a checkpoint without holding one: anything that tried to load it
+    would fail on its files, so an error about the output proves the output came first."""
+    root = tmp_path / "input"
+    (root / f"iter_{iteration:07d}").mkdir(parents=True, exist_ok=True)
+    (root / checks._LATEST).write_text(str(iteration))
+    return str(root)
+
+
+@pytest.mark.parametrize("layout", ["distributed", "non-distributed"])
+def test_the_converter_checks_its_output_before_loading(tmp_path, layout):
+    from megatron_zeropp.training import convert
+
+    def run(output):
+        if layout == "distributed":
+            convert.convert(_fake_input(tmp_path), output, "torch_dist")
+        else:
+            convert.to_non_distributed(_fake_input(tmp_path), output)
+
+    taken = tmp_path / "taken"
+    (taken / "iter_0000003").mkdir(parents=True)
+    with pytest.raises(StartupError) as e:
+        run(str(taken))
+    # it used to load the whole checkpoint, then suggest --overwrite-checkpoints, a flag the
+    # converter does not have
+    assert str(e.value) == (f"--output {taken} already holds iteration 3 "
+                            f"({taken / 'iter_0000003'}): convert into another directory, or "
+                            f"remove that one first")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StartupError, match=f"^--output {tmp_path / 'file'} exists and is not a "
+                                           f"directory$"):
+        run(str(tmp_path / "file"))
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / checks._LATEST).write_text("5")
+    with pytest.raises(StartupError, match="names iteration 5, after 3"):
+        run(str(later))
+
+
+def test_sigint_is_a_stop_of_one_line_like_sigterm():
+    # torchrun passes Ctrl-C's SIGINT on to its ranks: it used to print a KeyboardInterrupt
+    # traceback and "[rank 0] FAILED in ...", exit 1
+    script = ("import sys, time\nfrom megatron_zeropp.training.launch import run_guarded\n"
+              "def wait():\n    print('ready', flush=True)\n    time.sleep(300)\n"
+              "run_guarded(wait)\n")
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    assert job.stdout.readline() == "ready\n"
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 130  # 128 + SIGINT, as a shell reports Ctrl-C
+    assert err == "[rank 0] stopped by SIGINT\n"
+
+
+def test_a_save_that_runs_out_of_space_says_so(tmp_path):
+    # A full disk surfaced as torch's "[enforce fail at inline_container.cc:672] . unexpected
+    # pos 128 vs 0"; a file size limit (ulimit -f) fails the same way and is cheaper to set up
+    script = ("import resource, sys, torch\n"
+              "from megatron_zeropp.checkpointing import checks\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+              "with checks.writing(sys.argv[1], 4):\n"
+              "    torch.save(torch.zeros(100000), sys.argv[1] + '/rank.pt')\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: saving iteration 4 into {tmp_path} failed with ")
+    assert " MiB free of " in last and "a file size limit (ulimit -f) of 0.1 MiB: " in last, last
+
+
+def test_a_vocabulary_padded_for_another_tp_names_the_flag_that_loads_it(tmp_path):
+    # resuming a TP 1 checkpoint at TP 2 (torch_dist reshards) failed naming the rows only
+    it = tmp_path / "iter_0000004"
+    it.mkdir()
+    saved = {"padded vocabulary size": 128, "--tensor-model-parallel-size": 1, "--num-layers": 2}
+    checks.write_model_config(str(it), saved)
+    at_tp2 = {**saved, "padded vocabulary size": 256, "--tensor-model-parallel-size": 2}
+    with pytest.raises(StartupError) as e:
+        checks.check_model_config(str(tmp_path), 4, at_tp2, layout_free=True)
+    assert str(e.value) == (
+        f"checkpoint {it} holds another model: padded vocabulary size checkpoint 128 vs this "
+        f"run 256 (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "
+        f"TP, and this run's TP is 2, the checkpoint's 1: pass --padded-vocab-size 128 to load "
+        f"it)")
+    with pytest.raises(StartupError) as e:  # the same TP: other rows are another vocabulary
+        checks.check_model_config(str(tmp_path), 4, {**saved, "padded vocabulary size": 256},
+                                  layout_free=True)
+    assert "--padded-vocab-size" not in str(e.value)

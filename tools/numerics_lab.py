@@ -61,14 +61,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
         else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="numerics_lab.py", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False,
                                 usage="%(prog)s --nodes K --ranks-per-node N [--dry-run] -- "
                                       "<pretrain_gpt.py flags>")
     p.add_argument("--nodes", type=int, required=True, help="simulated nodes K")
     p.add_argument("--ranks-per-node", type=int, required=True,
                    help="simulated GPUs per node N (DP = K x N)")
     p.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    args = p.parse_args(ours)
+    args, unknown = p.parse_known_args(ours)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}: pretrain_gpt.py's flags go after "
+                f"'--' (numerics_lab.py --nodes {args.nodes} --ranks-per-node "
+                f"{args.ranks_per_node}{' --dry-run' if args.dry_run else ''} -- "
+                f"{' '.join(unknown)})")
     try:
         cmd = lab_command(args.nodes, args.ranks_per_node, rest)
     except ValueError as e:

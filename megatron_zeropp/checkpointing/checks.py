@@ -17,6 +17,7 @@ and raise the same :class:`~megatron_zeropp.errors.StartupError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -97,14 +98,15 @@ def load_view(load: Optional[str], iteration: Optional[int]):
     return (iteration, ident), f"iteration {iteration} of --load {load} (checkpoint id {ident})"
 
 
-def check_save_writable(save: Optional[str]) -> None:
-    """``--save`` must be a directory this process can create files in (or be creatable): found
-    at start, not after a whole --save-interval of training. Probed by creating and removing a
-    file, which also catches read-only mounts that permission bits do not show."""
+def check_save_writable(save: Optional[str], flag: str = "--save") -> None:
+    """``--save`` (or the tool's ``flag``) must be a directory this process can create files in
+    (or be creatable): found at start, not after a whole --save-interval of training. Probed by
+    creating and removing a file, which also catches read-only mounts that permission bits do
+    not show."""
     if save is None:
         return
     if os.path.exists(save) and not os.path.isdir(save):
-        raise StartupError(f"--save {save} exists and is not a directory")
+        raise StartupError(f"{flag} {save} exists and is not a directory")
     probe_dir = save
     while not os.path.exists(probe_dir):
         parent = os.path.dirname(os.path.abspath(probe_dir))
@@ -112,7 +114,7 @@ def check_save_writable(save: Optional[str]) -> None:
             break
         probe_dir = parent
     if not os.path.isdir(probe_dir):
-        raise StartupError(f"--save {save}: {probe_dir} is not a directory, so {save} cannot "
+        raise StartupError(f"{flag} {save}: {probe_dir} is not a directory, so {save} cannot "
                            f"be created")
     probe = os.path.join(probe_dir, f".zeropp_write_probe.{os.getpid()}")
     try:
@@ -121,8 +123,23 @@ def check_save_writable(save: Optional[str]) -> None:
         os.remove(probe)
     except OSError as e:
         what = "" if probe_dir == save else f" ({probe_dir}, where it would be created)"
-        raise StartupError(f"--save {save}: cannot write files in it{what}: "
+        raise StartupError(f"{flag} {save}: cannot write files in it{what}: "
                            f"{e.strerror or e}") from None
+
+
+def check_output(output: str, iteration: int) -> None:
+    """A converter's ``--output`` before anything is loaded: a writable directory that holds
+    neither ``iteration`` nor a later latest (a save there would replace or move it back)."""
+    check_save_writable(output, "--output")
+    latest = latest_iteration(output)
+    if os.path.exists(_iteration_dir(output, iteration)):
+        raise StartupError(f"--output {output} already holds iteration {iteration} "
+                           f"({_iteration_dir(output, iteration)}): convert into another "
+                           f"directory, or remove that one first")
+    if latest is not None and latest > iteration:
+        raise StartupError(f"--output {output}: its {_LATEST} names iteration {latest}, after "
+                           f"{iteration}: writing it there would move {_LATEST} back; convert "
+                           f"into another directory")
 
 
 def resolve_load(load: Optional[str], ckpt_step: Optional[int], optional: bool,
@@ -246,7 +263,20 @@ def check_model_config(load: str, iteration: int, current: Dict[str, object],
              if saved.get(key) != value and not (layout_free and key in LAYOUT_KEYS)]
     if diffs:
         raise StartupError(f"checkpoint {_iteration_dir(load, iteration)} holds another model: "
-                           + "; ".join(diffs))
+                           + "; ".join(diffs) + _vocab_hint(saved, current, layout_free))
+
+
+def _vocab_hint(saved: Dict[str, object], current: Dict[str, object], layout_free: bool) -> str:
+    # The padded vocabulary is --make-vocab-size-divisible-by x TP rows: at another TP the same
+    # tokenizer pads to other rows, which only the rows themselves, given, undo.
+    key, tp = "padded vocabulary size", "--tensor-model-parallel-size"
+    rows = saved.get(key)
+    if not (layout_free and isinstance(rows, int) and rows != current.get(key)
+            and saved.get(tp) != current.get(tp) and rows % (current.get(tp) or 1) == 0):
+        return ""
+    return (f" (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP, "
+            f"and this run's TP is {current.get(tp)}, the checkpoint's {saved.get(tp)}: pass "
+            f"--padded-vocab-size {rows} to load it)")
 
 
 MEGATRON_LM_NAMES: Dict[str, tuple] = {
@@ -373,3 +403,35 @@ def load_scheduler(scheduler, state: dict, override: bool, use_checkpoint: bool)
     if use_checkpoint:
         return "LR schedule: the checkpoint's (--use-checkpoint-opt_param-scheduler)"
     return "LR schedule: the checkpoint's, which equals the command line's"
+
+
+@contextlib.contextmanager
+def writing(root: str, iteration: int):
+    """Around the writes of a save: a failure says how full the filesystem of ``root`` is and
+    what file size limit the process has. A full disk surfaced as torch's "[enforce fail at
+    inline_container.cc:672] . unexpected pos 128 vs 0" or megatron-core's "CheckpointException
+    ranks:dict_keys([1])", which name neither."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        raise RuntimeError(f"saving iteration {iteration} into {root} failed with "
+                           f"{_space(root)}: {type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:300]}") from e
+
+
+def _space(root: str) -> str:
+    import resource
+    import shutil
+
+    try:
+        usage = shutil.disk_usage(root)
+        text = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on its " \
+               f"filesystem"
+    except OSError as e:
+        text = f"its filesystem unreadable ({e.strerror or e})"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        text += f", and a file size limit (ulimit -f) of {limit / 2**20:.1f} MiB"
+    return text

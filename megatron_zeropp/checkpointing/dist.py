@@ -210,11 +210,13 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
         # incomplete / corrupted checkpoint" about any directory that is not empty when it starts.
         tmp = begin_save(root, iteration, overwrite)
         use_in_process_write_results()
-        dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
-    write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16-0.18 read only that file
-    if model_config is not None and dist.get_rank() == 0:
-        checks.write_model_config(tmp, model_config)
-    rank_state.save(tmp, model_chunks)
+        with checks.writing(root, iteration):
+            dist_checkpointing.save(state, tmp, content_metadata=_stored_metadata(metadata))
+    with checks.writing(root, iteration):
+        write_common_file(tmp)  # megatron-core 0.19 writes none; 0.16-0.18 read only that file
+        if model_config is not None and dist.get_rank() == 0:
+            checks.write_model_config(tmp, model_config)
+        rank_state.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
 
 

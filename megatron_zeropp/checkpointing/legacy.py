@@ -145,9 +145,10 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model_chun
     state = _rank_state(iteration, consumed_samples, model_chunks, optimizer, scheduler, extra,
                         save_optim, save_rng)
     path = os.path.join(tmp, _rank_file(lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]))
-    torch.save(state, path + ".part")
-    os.replace(path + ".part", path)
-    rank_state.save(tmp, model_chunks)
+    with checks.writing(root, iteration):
+        torch.save(state, path + ".part")
+        os.replace(path + ".part", path)
+        rank_state.save(tmp, model_chunks)
     return commit_save(root, iteration, checksums)
 
 

@@ -107,6 +107,7 @@ def convert(input_dir: str, output_dir: str, to: str, iteration: Optional[int] =
     if it is None or not os.path.isdir(checkpoint.iteration_dir(input_dir, it)):
         raise StartupError(f"--input {input_dir}: no checkpoint"
                            + (f" of iteration {it}" if it is not None else ""))
+    checkpoint_checks.check_output(output_dir, it)  # before loading anything
     checkpoint_integrity.check_files(checkpoint.iteration_dir(input_dir, it))
     source = checkpoint_dist.checkpoint_format(input_dir, it)
     stored = _stored_args(input_dir, it, source)
@@ -178,6 +179,8 @@ def to_non_distributed(input_dir: str, output_dir: str, iteration: Optional[int]
 
     it = checkpoint_checks.latest_iteration(input_dir) if iteration is None else iteration
     source = checkpoint.iteration_dir(input_dir, it) if it is not None else input_dir
+    if it is not None:
+        checkpoint_checks.check_output(output_dir, it)  # before loading anything
     checkpoint_integrity.check_files(source)
     if not checkpoint_dist.is_dist_checkpoint(source):
         raise StartupError(f"--input {input_dir}: --optimizer-layout non-distributed needs a "

@@ -21,10 +21,11 @@ from typing import Callable, List, Optional
 
 from megatron_zeropp.errors import NonFiniteError, StartupError
 
-from . import shutdown
+from . import parent_watch, shutdown
 
 RANK0_GRACE_S = 30.0
-"""How long other ranks wait for rank 0 to report an error all ranks found."""
+"""How long the other ranks of a node wait for its first rank to report an error all ranks
+found."""
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,33 +100,41 @@ def failure_line(rank: str, exc: BaseException) -> str:
 def run_guarded(fn: Callable[[], object], prog: str = "pretrain_gpt.py") -> None:
     """Run ``fn``; on an exception print it with :func:`failure_line` and exit 1 immediately.
 
-    A :class:`StartupError` is bad input, not a crash: one line from rank 0 (``prog: error:``),
-    exit code 2; a :class:`NonFiniteError` (same on every rank) is one line from rank 0 too, exit
-    code 1. Every exit, failed or not, goes through :mod:`.shutdown`.
+    A :class:`StartupError` is bad input, not a crash: one line from the first rank of each node
+    (``prog: error:``; each node's torchrun has its own log), exit code 2; a
+    :class:`NonFiniteError` (same on every rank) is one line the same way, exit code 1. Every
+    exit, failed or not, goes through :mod:`.shutdown`; a rank whose torchrun agent dies ends
+    within seconds (:mod:`.parent_watch`).
     """
     shutdown.install_termination_handler()
+    parent_watch.watch_agent()
     try:
         fn()
-    except shutdown.Terminated as exc:
+    except (shutdown.Terminated, KeyboardInterrupt) as exc:
+        # An operator's or a launcher's stop, not a failure: one line, no traceback. (torchrun
+        # passes the signal it got on to its ranks: Ctrl-C reaches them as SIGINT.)
         shutdown.begin_exit()
-        print(f"[rank {os.environ.get('RANK', '0')}] stopped by {exc}", file=sys.stderr,
-              flush=True)
-        shutdown.failed_exit(128 + signal.SIGTERM)
+        signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        why = f": {parent_watch.describe()}" if parent_watch.stopped_by_agent_death() \
+            else f" by {signum.name}"
+        print(f"[rank {os.environ.get('RANK', '0')}] stopped{why}", file=sys.stderr, flush=True)
+        shutdown.failed_exit(128 + signum)
     except SystemExit:
         # argparse's exit (before any group) or an explicit one: the usual exit, tidied first
         shutdown.stop_writer_processes()
         shutdown.destroy_process_group(shutdown.FAILED_TEARDOWN_S)
         raise
     except (StartupError, NonFiniteError) as exc:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
             shutdown.begin_exit()
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
         else:
-            # The launcher stops every rank when the first one exits; let rank 0, which reached
-            # the same error, print it first (the launcher's SIGTERM ends this wait).
+            # The launcher stops every rank of its node when the first one exits; let the
+            # node's first rank, which reached the same error, print it first (the launcher's
+            # SIGTERM ends this wait).
             try:
                 time.sleep(RANK0_GRACE_S)
-            except shutdown.Terminated:
+            except (shutdown.Terminated, KeyboardInterrupt):
                 pass
         sys.stdout.flush()
         shutdown.failed_exit(2 if isinstance(exc, StartupError) else 1)

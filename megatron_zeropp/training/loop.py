@@ -26,6 +26,8 @@ from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 from . import model_chunks as layer
 from .arguments import parse_args, print_args
 from .fallbacks import fallback_summary, silence_fallback_warnings
+from .flag_agreement import check as check_same_flags
+from .flag_agreement import compared as compared_flags
 from .gpt_step import eval_step, mean_of, train_step
 from .logging_utils import (
     IntervalStats,
@@ -242,12 +244,14 @@ def _startup_checks(args):
 
 
 def _agree_at_start(args, load_iteration, error) -> None:
-    """The first collective: every rank's start-up verdict, then what each would load."""
+    """The first collective: every rank's start-up verdict, then what each would load, then
+    every rank's flags."""
     load, seen = checkpoint_checks.load_view(args.load, load_iteration) if error is None \
         else (None, None)
-    gathered = agreement.gather(error, load=load, seen=seen)
+    gathered = agreement.gather(error, load=load, seen=seen, flags=compared_flags(args))
     agreement.raise_errors(gathered)
     agreement.check_same(gathered, "load", "the checkpoint to load", show="seen")
+    check_same_flags(gathered)
     if args.save is not None:
         # rank 0 took the lock before the gather above: all must see it now (a node-local
         # --save would otherwise be found at the first save, after a whole interval)
@@ -398,8 +402,11 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                        loss_scale=loss_scale, grad_norm=result.grad_norm,
                        num_zeros=result.num_zeros, params_norm=norm, world_size=world,
                        seconds=seconds, throughput=flops / seconds / world / 1e12)
-        # Megatron-LM logs the first iteration of every run and does not reset after it: the
-        # next line averages from that first iteration on (its training_log's should_reset).
+        # As Megatron-LM, the first iteration of every run is logged. Each line then holds the
+        # iterations of its interval (after the last multiple of --log-interval) that this run
+        # trained: a first line inside an interval is not reset after (that interval's line
+        # counts it too), one that ends an interval is (a resume at a multiple, --log-interval
+        # 1), where Megatron-LM's next line averages two intervals (docs/ecosystem.md).
         first_line = not logged
         if iteration % args.log_interval == 0 or iteration == args.train_iters or first_line:
             logged = True
@@ -409,7 +416,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                                    num_zeros=result.num_zeros, params_norm=norm,
                                    decoupled_lr=_decoupled_lr(args, optimizer),
                                    qgz_error=qgz_error["total"] if qgz_error else None))
-            if not first_line:
+            if not first_line or iteration % args.log_interval == 0:
                 stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
             collector.eval_boundary()

@@ -91,7 +91,8 @@ def _quietly_destroy() -> None:
         pass
 
 
-def _release_save_locks() -> None:
+def release_save_locks() -> None:
+    """Give back every --save lock this process holds (never raises)."""
     try:
         from megatron_zeropp.checkpointing import save_lock
 
@@ -106,7 +107,7 @@ def failed_exit(code: int) -> None:
     teardown, which would join threads blocked in collectives)."""
     begin_exit()
     try:
-        _release_save_locks()
+        release_save_locks()
         stop_writer_processes()
         destroy_process_group(FAILED_TEARDOWN_S)
     finally:
@@ -116,6 +117,6 @@ def failed_exit(code: int) -> None:
 def clean_exit() -> None:
     """After a run that completed: the writer processes, then the process group, in that order
     (the interpreter's own teardown then has no thread of torch.distributed left to destroy)."""
-    _release_save_locks()
+    release_save_locks()
     stop_writer_processes()
     destroy_process_group()
