@@ -248,9 +248,12 @@ def test_the_micro_batch_group_size_is_honoured():
     from megatron_zeropp.training.model import transformer_config
 
     args = parse_args(ARGS + ["--num-virtual-stages-per-pipeline-rank", "2",
-                              "--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+                              "--microbatch-group-size-per-virtual-pipeline-stage", "4",
+                              "--overlap-p2p-communication-warmup-flush", "--eval-iters", "0"],
                       world_size=4)
-    assert transformer_config(args).microbatch_group_size_per_vp_stage == 4
+    config = transformer_config(args)
+    assert config.microbatch_group_size_per_vp_stage == 4
+    assert config.overlap_p2p_comm_warmup_flush
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -261,6 +264,9 @@ def test_the_micro_batch_group_size_is_honoured():
      "in [PP 2, micro-batches per step 4]"),
     (["--microbatch-group-size-per-virtual-pipeline-stage", "3"],
      "4 micro-batches per step leave a last group of 1 < PP 2"),
+    (["--overlap-p2p-communication-warmup-flush", "--eval-iters", "2",
+      "--distributed-backend", "gloo"],
+     "--overlap-p2p-communication-warmup-flush with evaluation (--eval-iters 2) hangs"),
     (["--num-layers-per-virtual-pipeline-stage", "1"],
      "give only one of --num-layers-per-virtual-pipeline-stage 1 and "
      "--num-virtual-stages-per-pipeline-rank 2"),

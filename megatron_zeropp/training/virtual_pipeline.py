@@ -68,6 +68,13 @@ def validate(args, dp: int, errors: List[str]) -> None:
         errors.append("--overlap-p2p-communication-warmup-flush needs virtual pipeline stages "
                       "with overlapped point-to-point communication (no "
                       "--no-overlap-p2p-communication)")
+    elif args.overlap_p2p_comm_warmup_flush and args.eval_iters > 0 and _gloo(args):
+        # Seen here: training steps run, the first evaluation (megatron-core's forward-only
+        # interleaved schedule with the warm-up flush) waits forever on gloo, with megatron-core's
+        # own DDP too (--data-parallel-impl megatron). Not tried on NCCL.
+        errors.append("--overlap-p2p-communication-warmup-flush with evaluation (--eval-iters "
+                      f"{args.eval_iters}) hangs megatron-core's forward-only interleaved schedule "
+                      "on the gloo backend (its own DDP too); use --eval-iters 0 or drop the flag")
     if vp is None:
         return
     if pp < 2:
@@ -95,6 +102,16 @@ def validate(args, dp: int, errors: List[str]) -> None:
                           f"megatron-core's interleaved schedule refuses that bubble; make the "
                           f"micro-batches a multiple of {group}")
             return
+
+
+def _gloo(args) -> bool:
+    """Whether the run's collectives go over gloo (the backend's own default: gloo without
+    CUDA)."""
+    import torch
+
+    backend = getattr(args, "distributed_backend", None)
+    return backend == "gloo" or (backend is None and not torch.cuda.is_available()) or bool(
+        getattr(args, "ranks_share_gpu", False))
 
 
 def _global_batch_sizes(args, dp: int) -> List[int]:
