@@ -3,7 +3,9 @@
 ``ZEROPP_TEST_FAULT`` picks it: ``freeze:RANK:ITER`` (RANK stops responding after iteration
 ITER, as a hung kernel or a stopped process would), ``kill:RANK:ITER`` (RANK dies),
 ``kill_save:RANK:ITER`` (RANK dies while writing ITER's checkpoint), ``nan:ITER`` (the
-loss of iteration ITER+1 becomes NaN on every rank). Without it, and in ranks torchrun restarted
+loss of iteration ITER+1 becomes NaN on every rank), ``exit_at_start:RANK`` (RANK exits with
+code 1 a few seconds after start, before it joins the process group, while the others wait for
+it there).  Without it, and in ranks torchrun restarted
 (``--max-restarts``), this is pretrain_gpt.py.
 
 ``ZEROPP_TEST_RANK_ARGV=RANK`` with ``ZEROPP_TEST_ARGV_FROM`` / ``ZEROPP_TEST_ARGV_TO``: on that
@@ -58,6 +60,10 @@ if __name__ == "__main__":
 
     single_process_defaults()
     argv = sys.argv[1:]
+    spec = os.environ.get("ZEROPP_TEST_FAULT", "")
+    if spec.startswith("exit_at_start:") and os.environ["RANK"] == spec.split(":")[1]:
+        time.sleep(8)  # the other ranks are past their start-up checks, rank 0 holds the lock
+        os._exit(1)
     if os.environ.get("ZEROPP_TEST_RANK_ARGV") == os.environ["RANK"]:
         old, new = os.environ["ZEROPP_TEST_ARGV_FROM"], os.environ["ZEROPP_TEST_ARGV_TO"]
         argv = [new if a == old else a for a in argv]

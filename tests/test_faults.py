@@ -495,3 +495,40 @@ def test_two_jobs_started_together_on_one_save_directory(prev, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "iteration       13/      13" in run.stdout
     assert _fingerprint(*dirs) == before
+
+
+def test_a_rank_blocked_outside_python_ends_on_sigterm_and_gives_back_the_lock(prev):
+    # Rank 1 exits before joining the process group; rank 0, holding the --save lock, waits for
+    # it inside gloo's rendezvous (C++), where Python cannot run its SIGTERM handler. It sat out
+    # torchrun's SIGTERM until the SIGKILL 30 s later and left the lock behind; now its signal
+    # watcher ends it, lock given back.
+    copy, _, _ = prev
+    save = str(copy / "fresh")
+    run = _launch(2, _model() + ["--train-iters", "2", "--mock-data", "--save", save],
+                  fault="exit_at_start:1")
+    assert run.returncode != 0
+    said = [line for line in run.stderr.splitlines() if line.startswith("[rank 0] stopped by")]
+    assert said == ["[rank 0] stopped by SIGTERM: the main thread did not return to Python "
+                    "within 5 s of it (blocked in a collective or another C call): ending the "
+                    "rank from its signal watcher"], run.stderr[-3000:]
+    assert os.path.isdir(save) and not os.path.exists(os.path.join(save, ".save_lock"))
+
+
+def test_a_master_port_in_use_is_torchruns_one_line_before_any_rank_starts(prev):
+    # torchrun's agent binds --master-port (MASTER_PORT) for its rendezvous store before it
+    # starts a rank: a port in use stops it there with torch's message naming the port; no
+    # rank runs, nothing is written.
+    copy, before, dirs = prev
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", str(port), ENTRY,
+                   *_resume(copy, 6)]
+        run = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=LIMIT_S,
+                             cwd=ROOT)
+    assert run.returncode == 1
+    assert f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE" in run.stderr
+    assert "iteration " not in run.stdout
+    assert _fingerprint(*dirs) == before

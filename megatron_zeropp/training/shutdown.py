@@ -10,6 +10,11 @@
 * A complete run that left ``torch.distributed`` to the interpreter's teardown sometimes ended
   with SIGABRT ("terminate called without an active exception", a C++ thread destroyed while
   joinable): :func:`clean_exit` destroys the process group first.
+* Python runs a signal handler only when the main thread returns to the interpreter. A rank
+  blocked in C (a gloo rendezvous or collective waiting for a peer that died before it could
+  take the signal itself) sat out torchrun's SIGTERM until its SIGKILL 30 s later, still holding
+  the --save lock. The C-level handler writes each signal's number to a wakeup fd at once, so a
+  thread watching it ends such a rank :data:`STUCK_GRACE_S` after the signal.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
+import sys
 import threading
+import time
 
 FAILED_TEARDOWN_S = 5.0
 """How long a failing rank waits for the process group to be destroyed before it exits anyway:
@@ -31,7 +39,13 @@ class Terminated(BaseException):
     Exception`` of the training code swallows it."""
 
 
+STUCK_GRACE_S = 5.0
+"""How long after a SIGTERM or SIGINT the main thread may take to return to Python and begin its
+exit before the signal watcher ends the rank itself (torchrun's SIGKILL comes 30 s after its
+SIGTERM)."""
+
 _exiting = False
+_wakeup = None
 
 
 def _terminate(signum, frame) -> None:
@@ -42,9 +56,52 @@ def _terminate(signum, frame) -> None:
 def install_termination_handler() -> None:
     """SIGTERM raises :class:`Terminated` in the main thread (the launcher's ranks). Python runs
     it between bytecodes: a rank blocked in a collective takes it when the collective returns
-    or fails (a dead peer's closed connection fails it at once); torchrun waits 30 s before its
-    SIGKILL. --exit-signal-handler replaces it while training (run_control.SignalExit)."""
+    or fails (a dead peer's closed connection fails it at once); one that stays blocked is
+    ended by the signal watcher (module docstring). --exit-signal-handler replaces the handler
+    while training (run_control.SignalExit), and the watcher then leaves SIGTERM to the loop.
+    Call from the main thread."""
     signal.signal(signal.SIGTERM, _terminate)
+    global _wakeup
+    if _wakeup is not None:
+        return
+    _wakeup = socket.socketpair()  # (reader, writer), open for the life of the process
+    _wakeup[1].setblocking(False)
+    signal.set_wakeup_fd(_wakeup[1].fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(_wakeup[0],), daemon=True,
+                     name="zeropp-signal-watch").start()
+
+
+def _ours(signum: int) -> bool:
+    """Whether ``signum`` still ends the rank through this module (not SignalExit's record)."""
+    handler = signal.getsignal(signum)
+    return handler is _terminate or (signum == signal.SIGINT
+                                     and handler is signal.default_int_handler)
+
+
+def _watch_signals(reader) -> None:
+    while True:
+        try:
+            data = reader.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        stops = [n for n in data if n in (signal.SIGTERM, signal.SIGINT) and _ours(n)]
+        if not stops:
+            continue
+        deadline = time.monotonic() + STUCK_GRACE_S
+        while not _exiting and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _exiting or not _ours(stops[0]):
+            continue  # the main thread took it (or --exit-signal-handler now owns SIGTERM)
+        begin_exit()
+        name = signal.Signals(stops[0]).name
+        print(f"[rank {os.environ.get('RANK', '0')}] stopped by {name}: the main thread did not "
+              f"return to Python within {STUCK_GRACE_S:.0f} s of it (blocked in a collective or "
+              f"another C call): ending the rank from its signal watcher", file=sys.stderr,
+              flush=True)
+        release_save_locks()
+        os._exit(128 + stops[0])
 
 
 def begin_exit() -> None:
