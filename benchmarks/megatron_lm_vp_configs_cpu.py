@@ -20,6 +20,8 @@ runs at the end of each training run, except with ``--overlap-p2p-communication-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -70,6 +72,18 @@ def _run(argv):
         run_distributed,
     )
 
+    # pretrain_gpt.py's start-time verdict in this process first: the workers' stderr, where
+    # argparse writes it, does not come back through run_distributed.
+    from megatron_zeropp.training.arguments import parse_args
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parse_args(argv, world_size=8)
+    except SystemExit:
+        message = said.getvalue().strip().splitlines()
+        return "refused", message[-1].removeprefix("pretrain_gpt.py: error: ") if message \
+            else "SystemExit"
     try:
         out = run_distributed(_pretrain, 2, 4, args=(argv,), timeout=900)
         return "trained", out[-1]
@@ -119,7 +133,7 @@ def main(argv=None) -> int:
             run = [a.format(**fill) if "{" in a else a for a in c["cpu_argv"]]
             if "--data-path" in run or "--vocab-file" in run:
                 run = _mock_data(run)
-            run = _flag(run, "--train-iters", args.iters)
+            run = _flag(_flag(run, "--train-samples", None), "--train-iters", args.iters)
             run = _flag(run, "--exit-interval", None)
             run = _flag(run, "--save-interval", args.iters // 2)
             run = _flag(run, "--eval-interval", args.iters)

@@ -287,7 +287,8 @@ ZEROPP = ["--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz"]
 def test_storage_terms_equal_the_built_model_tp2_pp2_dp2(impl):
     """TP 2 x PP 2 x DP 2 on 2 simulated nodes of 4: each rank's parameters, persistent bytes
     and optimizer state are the tool's, byte for byte."""
-    flags = {"zeropp": ZEROPP, "zero3": [], "megatron": ["--data-parallel-impl", "megatron"]}
+    flags = {"zeropp": ZEROPP, "zero3": [], "megatron": ["--data-parallel-impl", "megatron",
+                                                      "--use-distributed-optimizer"]}
     argv = SMALL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                     "--sequence-parallel", "--ranks-per-node", "4", *flags[impl]]
     results = run_distributed(_measure, 2, 4, args=(argv,))

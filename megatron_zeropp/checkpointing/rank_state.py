@@ -53,6 +53,9 @@ def save(directory: str, model_chunks) -> None:
 def _why_not(saved: Optional[dict], layers: Dict[int, ZeroPPDataParallel], where: str) -> List[str]:
     if saved is None:
         return [f"no {where}"]
+    if sorted(saved["chunks"]) != sorted(layers):
+        return [f"{where} holds model chunks {sorted(saved['chunks'])}, this run has chunks "
+                f"{sorted(layers)}"]
     out = []
     for i, layer in layers.items():
         out += [f"chunk {i} {d}" for d in differences(saved["chunks"][i]["layout"],
@@ -75,9 +78,6 @@ def load(directory: str, model_chunks, iteration: int, fresh: bool = False) -> O
         return False
     target = path(directory)
     saved = torch.load(target, weights_only=False) if os.path.exists(target) else None
-    if saved is not None and sorted(saved["chunks"]) != sorted(layers):
-        raise ValueError(f"{target} holds the ZeRO++ state of model chunks "
-                         f"{sorted(saved['chunks'])}, this run has chunks {sorted(layers)}")
     why = _why_not(saved, layers, target)
     device = next(p.device for layer in layers.values() for p in layer.module.parameters())
     flag = torch.tensor([0 if why else 1], dtype=torch.int32, device=device)
