@@ -34,10 +34,9 @@ import subprocess
 import sys
 import types
 
+from megatron_lm_snapshots import SNAPSHOTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SNAPSHOTS = os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm")
-if not os.path.isdir(SNAPSHOTS):  # a worktree sits beside the main checkout
-    SNAPSHOTS = "/work/shared/megatron-lm"
 
 # Tiny GPT, mock data, the distributed optimizer; no dropout (Megatron-LM's RNG tracker is not
 # what this is about), fp32; every iteration logged; --ckpt-format torch_dist (the default).

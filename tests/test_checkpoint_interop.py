@@ -21,6 +21,7 @@ import contextlib
 import os
 import traceback
 
+import megatron_lm_saves
 import pytest
 import torch
 
@@ -48,20 +49,6 @@ def _fused(fused):
     from fused_adam import megatron_core_with_fused_adam
 
     return megatron_core_with_fused_adam() if fused else contextlib.nullcontext()
-
-
-def _metadata(sharding_type):
-    """Megatron-LM's _build_sharded_state_dict_metadata (None: without
-    --use-distributed-optimizer)."""
-    from megatron.core import parallel_state as ps
-
-    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-    if sharding_type is not None:
-        meta["distrib_optim_sharding_type"] = sharding_type
-    if sharding_type == "fully_reshardable":
-        meta["distrib_optim_fully_reshardable_mem_efficient"] = False
-    return meta
 
 
 def adam_state(wrapped, optimizer):
@@ -133,12 +120,7 @@ def _megatron_lm_build(ctx, distributed, bf16):
 
 
 def _megatron_lm_write(ctx, root, wrapped, optimizer, sharding_type):
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    meta = _metadata(sharding_type)
+    meta = megatron_lm_saves.metadata(sharding_type)
     state = {"args": argparse.Namespace(tensor_model_parallel_size=1,
                                         pipeline_model_parallel_size=1,
                                         use_distributed_optimizer=sharding_type is not None,
@@ -147,19 +129,7 @@ def _megatron_lm_write(ctx, root, wrapped, optimizer, sharding_type):
              "num_floating_point_operations_so_far": 0.0}
     state["model"] = wrapped.module.sharded_state_dict(metadata=meta)
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
-    state["rng_state"] = ShardedObject(
-        "rng_state", [{"torch_rng_state": torch.get_rng_state()}], (1, 1), (0, 0),
-        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
-    directory = os.path.join(root, f"iter_{STEPS:07d}")
-    if ctx.rank == 0:
-        os.makedirs(directory)
-    dist.barrier()
-    dist_checkpointing.save(state, directory, content_metadata={
-        k: v for k, v in meta.items() if k != "dp_cp_group"})
-    dist.barrier()
-    if ctx.rank == 0:
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(STEPS))
+    megatron_lm_saves.write(root, STEPS, state, meta, ctx.rank)
 
 
 def _megatron_lm_save(ctx, root, layouts, bf16=False, fused=False):
@@ -188,7 +158,7 @@ def _megatron_lm_load(ctx, root, distributed, bf16=False, fused=False):
         directory = os.path.join(root, f"iter_{STEPS:07d}")
         common = dist_checkpointing.load_common_state_dict(directory)
         meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
-        meta["dp_cp_group"] = _metadata(None)["dp_cp_group"]
+        meta["dp_cp_group"] = megatron_lm_saves.metadata(None)["dp_cp_group"]
         request = {"model": wrapped.module.sharded_state_dict(metadata=meta)}
         request["optimizer"] = optimizer.sharded_state_dict(request, is_loading=True,
                                                             metadata=meta)

@@ -24,11 +24,9 @@ import sys
 
 import pytest
 import torch
+from megatron_lm_snapshots import SNAPSHOTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SNAPSHOTS = os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm")
-if not os.path.isdir(SNAPSHOTS):  # a worktree sits beside the main checkout
-    SNAPSHOTS = "/work/shared/megatron-lm"
 RELEASE = {(0, 16): "core_v0.16.1", (0, 19): "core_v0.19.0"}
 
 BASE = ("--num-layers 2 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "

@@ -19,12 +19,9 @@ import subprocess
 import sys
 
 import pytest
+from megatron_lm_snapshots import RELEASES, SNAPSHOTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SNAPSHOTS = os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm")
-if not os.path.isdir(SNAPSHOTS):  # a worktree sits beside the main checkout
-    SNAPSHOTS = "/work/shared/megatron-lm"
-RELEASES = ("core_v0.16.1", "core_v0.19.0")
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
         "--vocab-size 128 --train-iters 5").split()

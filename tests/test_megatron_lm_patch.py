@@ -20,16 +20,13 @@ import sys
 
 import pytest
 import torch
+from megatron_lm_snapshots import RELEASES, SNAPSHOTS
 
 from megatron_zeropp import megatron_lm
 from megatron_zeropp.sharding import ZeroPPConfig
 from megatron_zeropp.simulated_nodes import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SNAPSHOTS = os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm")
-if not os.path.isdir(SNAPSHOTS):  # a worktree sits beside the main checkout
-    SNAPSHOTS = "/work/shared/megatron-lm"
-RELEASES = ("core_v0.16.1", "core_v0.19.0")
 
 # The per-rank state of the layer, beside Megatron-LM's torch_dist checkpoints: one call each.
 CHECKPOINT_CALLS = ["from megatron_zeropp import megatron_lm as zeropp",

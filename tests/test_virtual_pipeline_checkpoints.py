@@ -13,8 +13,8 @@ torch_dist`` with virtual stages: one ``model<i>`` entry per chunk from each chu
 """
 
 import argparse
-import os
 
+import megatron_lm_saves
 import pytest
 import torch
 
@@ -25,29 +25,13 @@ STEPS = 2
 MICRO, GLOBAL = 1, 8
 
 
-def _metadata(sharding_type):
-    """Megatron-LM's _build_sharded_state_dict_metadata with --use-distributed-optimizer."""
-    from megatron.core import parallel_state as ps
-
-    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
-            "distrib_optim_sharding_type": sharding_type}
-    if sharding_type == "fully_reshardable":
-        meta["distrib_optim_fully_reshardable_mem_efficient"] = False
-    return meta
-
-
 def _megatron_lm_save(ctx, root, sharding_type):
     """Megatron-LM (megatron-core's DDP with 2 virtual stages) trains, saves and trains on."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from zero3_runs import build, full_params, train
 
     _, chunks, optimizer = build(ctx, 1, 2, "megatron", vp=2)
     train(chunks, optimizer, STEPS, micro=MICRO, global_batch=GLOBAL)
-    meta = _metadata(sharding_type)
+    meta = megatron_lm_saves.metadata(sharding_type)
     state = {"args": argparse.Namespace(tensor_model_parallel_size=1,
                                         pipeline_model_parallel_size=2,
                                         virtual_pipeline_model_parallel_size=2,
@@ -58,21 +42,7 @@ def _megatron_lm_save(ctx, root, sharding_type):
     for i, chunk in enumerate(chunks):
         state[f"model{i}"] = chunk.module.sharded_state_dict(metadata=meta)
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
-    state["rng_state"] = ShardedObject(
-        "rng_state", [{"torch_rng_state": torch.get_rng_state()}],
-        (ps.get_pipeline_model_parallel_world_size(), 1),
-        (ps.get_pipeline_model_parallel_rank(), 0),
-        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
-    directory = os.path.join(root, f"iter_{STEPS:07d}")
-    if ctx.rank == 0:
-        os.makedirs(directory)
-    dist.barrier()
-    dist_checkpointing.save(state, directory, content_metadata={
-        k: v for k, v in meta.items() if k != "dp_cp_group"})
-    dist.barrier()
-    if ctx.rank == 0:
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(STEPS))
+    megatron_lm_saves.write(root, STEPS, state, meta, ctx.rank)
     params = full_params(chunks)
     return params, train(chunks, optimizer, STEPS, data_seed=1, micro=MICRO,
                          global_batch=GLOBAL)
