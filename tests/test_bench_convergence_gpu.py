@@ -103,6 +103,7 @@ def test_collect_reads_resumed_logs_and_the_table_compares(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_end_to_end_on_cpu_hpz_identical_to_zero3(tmp_path, capsys):
     from megatron_zeropp.data.sample_corpus import prepare_sample_data
 

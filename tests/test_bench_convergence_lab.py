@@ -131,6 +131,7 @@ def test_summary_mean_spread_and_gap():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_end_to_end_on_cpu(tmp_path, capsys):
     from megatron_zeropp.data.sample_corpus import prepare_sample_data
 

@@ -60,6 +60,7 @@ def test_a_torch_checkpoint_is_not_read_into_another_tp(tmp_path, sample_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_non_distributed_rewrite_end_to_end(tmp_path, sample_dir):
     # pretrain_gpt.py's torch_dist checkpoint rewritten for Megatron-LM without
     # --use-distributed-optimizer (tests/test_checkpoint_interop.py loads such rewrites into

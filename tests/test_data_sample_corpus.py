@@ -145,6 +145,7 @@ def test_tool_prints_the_training_flags(prepared, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_source_corpus_is_capped_deterministic_and_distinct():
     cap = 300_000
     docs = list(sample_corpus.iter_source_documents(cap))

@@ -224,6 +224,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoints(prev):
     assert open(os.path.join(dirs[1], "latest_checkpointed_iteration.txt")).read() == "4"
 
 
+@pytest.mark.long
 def test_a_typo_in_load_is_an_error_not_a_fresh_start(prev):
     copy, before, dirs = prev
     argv = _resume(copy, 8)
@@ -235,6 +236,7 @@ def test_a_typo_in_load_is_an_error_not_a_fresh_start(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_fresh_run_into_a_directory_with_newer_checkpoints_is_refused(prev):
     copy, before, dirs = prev
     run = _launch(2, _resume(copy, 8, ["--ckpt-step", "2"]))  # saves 4 again, then 6...
@@ -242,6 +244,7 @@ def test_a_fresh_run_into_a_directory_with_newer_checkpoints_is_refused(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_checkpoint_of_another_model_is_refused(prev):
     copy, before, dirs = prev
     argv = _resume(copy, 8)
@@ -252,6 +255,7 @@ def test_a_checkpoint_of_another_model_is_refused(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_longer_schedule_on_resume_needs_a_choice(prev):
     copy, before, dirs = prev
     run = _launch(2, _resume(copy, 8))  # --train-iters 4 -> 8 changes the LR decay
@@ -259,6 +263,7 @@ def test_a_longer_schedule_on_resume_needs_a_choice(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_truncated_data_is_found_before_training(prev):
     copy, before, dirs = prev
     broken = str(copy / "broken_text_document")
@@ -274,6 +279,7 @@ def test_truncated_data_is_found_before_training(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_data_of_a_larger_vocabulary_is_found_before_training(prev):
     copy, before, dirs = prev
     bigger = str(copy / "bigger_text_document")
@@ -323,6 +329,7 @@ def test_a_failed_job_behind_tee_returns_and_leaves_no_process(prev, tmp_path):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_start_up_error_on_rank_1_only_stops_every_rank_with_its_message(prev):
     copy, before, dirs = prev
     data = str(copy / "data" / "corpus_text_document")
@@ -341,6 +348,7 @@ def test_a_start_up_error_on_rank_1_only_stops_every_rank_with_its_message(prev)
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_ranks_that_would_load_different_checkpoints_are_refused(prev):
     copy, before, dirs = prev
     ckpt = str(copy / "ckpt")
@@ -374,6 +382,7 @@ def test_a_save_directory_held_by_another_job_is_refused(prev):
     assert after.pop(str(lock)) and after == before
 
 
+@pytest.mark.long
 def test_a_save_that_is_a_file_is_refused_before_training(prev):
     copy, before, dirs = prev
     target = copy / "not_a_dir"
@@ -387,6 +396,7 @@ def test_a_save_that_is_a_file_is_refused_before_training(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_cut_shard_is_named_before_loading(prev):
     copy, before, dirs = prev
     it4 = copy / "ckpt" / "iter_0000004"
@@ -400,6 +410,7 @@ def test_a_cut_shard_is_named_before_loading(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_checksums_find_garbage_that_sizes_cannot(prev):
     copy, before, dirs = prev
     it4 = copy / "ckpt" / "iter_0000004"
@@ -450,6 +461,7 @@ def test_sigterm_with_exit_signal_handler_saves_then_exits(prev, tmp_path):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_save_directory_that_is_not_shared_is_refused_at_start(prev):
     copy, before, dirs = prev
     other, node1 = str(copy / "other"), str(copy / "node1_other")

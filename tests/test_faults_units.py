@@ -414,8 +414,11 @@ def test_sigint_is_a_stop_of_one_line_like_sigterm():
     script = ("import sys, time\nfrom megatron_zeropp.training.launch import run_guarded\n"
               "def wait():\n    print('ready', flush=True)\n    time.sleep(300)\n"
               "run_guarded(wait)\n")
+    # (a shell without job control starts background jobs with SIGINT ignored, and Python then
+    # leaves it ignored: the child gets the default disposition back, as a terminal's job has)
     job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert job.stdout.readline() == "ready\n"
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=120)

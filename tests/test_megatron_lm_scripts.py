@@ -174,6 +174,7 @@ def _without_gpt2_tokenizer(argv):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_175b_flags_train_with_zeropp_fp16_and_batch_rampup(tmp_path, gpt2_files):
     tb = str(tmp_path / "tb")
     if importlib.util.find_spec("transformers"):

@@ -198,6 +198,7 @@ def _fp16(ctx, feedback, keep_non_finite=False):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_fp16_with_feedback_skips_the_same_early_steps_then_trains():
     off = run_distributed(_fp16, 2, 2, args=(False,))[0]
     on = run_distributed(_fp16, 2, 2, args=(True,))[0]

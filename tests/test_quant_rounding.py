@@ -225,6 +225,7 @@ def _train(ctx, seed, stochastic, qgz_stochastic="same"):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_training_with_stochastic_rounding_reruns_bit_identical():
     first = run_distributed(_train, 2, 2, args=(7, True))
     again = run_distributed(_train, 2, 2, args=(7, True))
