@@ -126,6 +126,22 @@ def test_the_save_lock_keeps_a_second_job_out_and_is_given_back(tmp_path):
     save_lock.release(root)
 
 
+def test_a_save_reached_through_a_symlink_is_held_too(tmp_path):
+    # Two jobs whose --save paths differ but name one directory (a symlink): the lock is a file
+    # in that directory, so the second is refused like any other.
+    real, link = tmp_path / "ckpt", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    save_lock.acquire(str(real))
+    try:
+        code, err = _acquire_elsewhere(str(link))
+        assert code == 3 and f"--save {link} is in use by another job" in err, err
+    finally:
+        save_lock.release(str(real))
+    code, err = _acquire_elsewhere(str(link))  # negative control: free, the link takes it
+    assert code == 0, err
+
+
 def test_a_dead_or_silent_holder_loses_the_lock(tmp_path, monkeypatch):
     monkeypatch.setattr(save_lock, "CONFIRM_S", 0.5)  # the watch of an expired lock
     root = tmp_path / "ckpt"
