@@ -181,6 +181,7 @@ def test_a_frozen_rank_ends_the_job_naming_rank_and_collective(prev, tmp_path):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_a_killed_rank_ends_the_job(prev):
     copy, before, dirs = prev
     run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]),
@@ -293,6 +294,7 @@ def test_data_of_a_larger_vocabulary_is_found_before_training(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_nan_stops_the_run_before_it_saves(prev):
     copy, before, dirs = prev
     run = _launch(2, _resume(copy, 8, ["--use-checkpoint-opt_param-scheduler"]), fault="nan:5")
@@ -476,6 +478,7 @@ def test_a_save_directory_that_is_not_shared_is_refused_at_start(prev):
     assert _fingerprint(*dirs) == before
 
 
+@pytest.mark.long
 def test_two_jobs_started_together_on_one_save_directory(prev, tmp_path):
     # Two real jobs race for one fresh --save (a Slurm requeue overlapping its old allocation):
     # one must be refused at start naming the other, the other must finish, and its checkpoint

@@ -205,6 +205,7 @@ def test_175b_flags_train_with_zeropp_fp16_and_batch_rampup(tmp_path, gpt2_files
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_llama3_flags_without_te_train(tmp_path):
     tb = str(tmp_path / "tb")
     os.makedirs(tmp_path / "cache")

@@ -241,7 +241,7 @@ def _ckpt_argv(sample_dir, iters, fmt, extra=()):
         + list(extra)
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("torch", marks=pytest.mark.long)])
 @pytest.mark.slow
 def test_resume_with_feedback_is_bit_exact(sample_dir, tmp_path, fmt):
     import os
