@@ -51,6 +51,12 @@ def lab_device_index(local_rank: int, device_count: int) -> int:
     return local_rank % device_count
 
 
+def choose_backend(backend: Optional[str] = None, share_gpu: bool = False) -> str:
+    """The backend :func:`init_distributed` uses: ``backend`` when given, else NCCL when CUDA is
+    available and the ranks do not share a GPU, gloo otherwise."""
+    return backend or ("nccl" if cuda_available() and not share_gpu else "gloo")
+
+
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None,
                      share_gpu: bool = False, lab_transport: str = "shared") -> str:
     """Initialise torch.distributed from torchrun's environment; returns the backend used.
@@ -70,7 +76,7 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
 
     from megatron_zeropp.comm import LAB_TRANSPORTS, set_lab_transport
 
-    chosen = backend or ("nccl" if cuda_available() and not share_gpu else "gloo")
+    chosen = choose_backend(backend, share_gpu)
     if chosen not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {chosen!r}")
     if chosen == "nccl" and not cuda_available():

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from megatron_zeropp.backend import choose_backend
+
 
 def chunks_per_rank(args) -> Optional[int]:
     """Model chunks per pipeline rank given by the flags (None: no virtual stages); raises
@@ -68,7 +70,8 @@ def validate(args, dp: int, errors: List[str]) -> None:
         errors.append("--overlap-p2p-communication-warmup-flush needs virtual pipeline stages "
                       "with overlapped point-to-point communication (no "
                       "--no-overlap-p2p-communication)")
-    elif args.overlap_p2p_comm_warmup_flush and args.eval_iters > 0 and _gloo(args):
+    elif args.overlap_p2p_comm_warmup_flush and args.eval_iters > 0 and choose_backend(
+            args.distributed_backend, args.ranks_share_gpu) == "gloo":
         # Seen here: training steps run, the first evaluation (megatron-core's forward-only
         # interleaved schedule with the warm-up flush) waits forever on gloo, with megatron-core's
         # own DDP too (--data-parallel-impl megatron). Not tried on NCCL.
@@ -102,16 +105,6 @@ def validate(args, dp: int, errors: List[str]) -> None:
                           f"megatron-core's interleaved schedule refuses that bubble; make the "
                           f"micro-batches a multiple of {group}")
             return
-
-
-def _gloo(args) -> bool:
-    """Whether the run's collectives go over gloo (the backend's own default: gloo without
-    CUDA)."""
-    import torch
-
-    backend = getattr(args, "distributed_backend", None)
-    return backend == "gloo" or (backend is None and not torch.cuda.is_available()) or bool(
-        getattr(args, "ranks_share_gpu", False))
 
 
 def _global_batch_sizes(args, dp: int) -> List[int]:
