@@ -25,7 +25,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 
 FAILED_TEARDOWN_S = 5.0
 """How long a failing rank waits for the process group to be destroyed before it exits anyway:
@@ -44,12 +43,13 @@ STUCK_GRACE_S = 5.0
 exit before the signal watcher ends the rank itself (torchrun's SIGKILL comes 30 s after its
 SIGTERM)."""
 
-_exiting = False
+_exiting = threading.Event()
+"""Set once the rank has begun to end (:func:`begin_exit`)."""
 _wakeup = None
 
 
 def _terminate(signum, frame) -> None:
-    if not _exiting:  # already on the way out: let that finish
+    if not _exiting.is_set():  # already on the way out: let that finish
         raise Terminated(signal.Signals(signum).name)
 
 
@@ -89,10 +89,7 @@ def _watch_signals(reader) -> None:
         stops = [n for n in data if n in (signal.SIGTERM, signal.SIGINT) and _ours(n)]
         if not stops:
             continue
-        deadline = time.monotonic() + STUCK_GRACE_S
-        while not _exiting and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _exiting or not _ours(stops[0]):
+        if _exiting.wait(STUCK_GRACE_S) or not _ours(stops[0]):
             continue  # the main thread took it (or --exit-signal-handler now owns SIGTERM)
         begin_exit()
         name = signal.Signals(stops[0]).name
@@ -106,8 +103,7 @@ def _watch_signals(reader) -> None:
 
 def begin_exit() -> None:
     """From here on a SIGTERM no longer interrupts: the rank is already ending."""
-    global _exiting
-    _exiting = True
+    _exiting.set()
 
 
 def stop_writer_processes() -> None:
