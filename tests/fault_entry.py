@@ -5,8 +5,8 @@ ITER, as a hung kernel or a stopped process would), ``kill:RANK:ITER`` (RANK die
 ``kill_save:RANK:ITER`` (RANK dies while writing ITER's checkpoint), ``nan:ITER`` (the
 loss of iteration ITER+1 becomes NaN on every rank), ``exit_at_start:RANK`` (RANK exits with
 code 1 a few seconds after start, before it joins the process group, while the others wait for
-it there).  Without it, and in ranks torchrun restarted
-(``--max-restarts``), this is pretrain_gpt.py.
+it there). Without it, and in ranks torchrun restarted (``--max-restarts``), this is
+pretrain_gpt.py.
 
 ``ZEROPP_TEST_RANK_ARGV=RANK`` with ``ZEROPP_TEST_ARGV_FROM`` / ``ZEROPP_TEST_ARGV_TO``: on that
 rank only, the command-line value FROM reads TO (a node-local path that differs between nodes).

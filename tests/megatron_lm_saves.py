@@ -19,7 +19,7 @@ def metadata(sharding_type):
     return meta
 
 
-def write(root, iteration, state, meta, rank):
+def write(root, iteration, state, meta):
     """Save ``state`` (model and optimizer entries filled in; the RNG entry is added here) as
     ``root``/iter_NNNNNNN and point ``latest`` at it. Collective."""
     import torch
@@ -34,6 +34,7 @@ def write(root, iteration, state, meta, rank):
         (ps.get_pipeline_model_parallel_rank(), 0),
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
     directory = os.path.join(root, f"iter_{iteration:07d}")
+    rank = dist.get_rank()
     if rank == 0:
         os.makedirs(directory)
     dist.barrier()

@@ -129,7 +129,7 @@ def _megatron_lm_write(ctx, root, wrapped, optimizer, sharding_type):
              "num_floating_point_operations_so_far": 0.0}
     state["model"] = wrapped.module.sharded_state_dict(metadata=meta)
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
-    megatron_lm_saves.write(root, STEPS, state, meta, ctx.rank)
+    megatron_lm_saves.write(root, STEPS, state, meta)
 
 
 def _megatron_lm_save(ctx, root, layouts, bf16=False, fused=False):

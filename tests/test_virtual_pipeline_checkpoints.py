@@ -42,7 +42,7 @@ def _megatron_lm_save(ctx, root, sharding_type):
     for i, chunk in enumerate(chunks):
         state[f"model{i}"] = chunk.module.sharded_state_dict(metadata=meta)
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=meta)
-    megatron_lm_saves.write(root, STEPS, state, meta, ctx.rank)
+    megatron_lm_saves.write(root, STEPS, state, meta)
     params = full_params(chunks)
     return params, train(chunks, optimizer, STEPS, data_seed=1, micro=MICRO,
                          global_batch=GLOBAL)
