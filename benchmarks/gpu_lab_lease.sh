@@ -1,40 +1,46 @@
 #!/usr/bin/env bash
-# One device call of the lab study (benchmarks/lab_study.py): start the next STUDY jobs that the
-# results file does not hold yet, detached (setsid: they outlive this call and run until the
-# machine goes back), wait WAIT minutes, then write their status and the records of finished
-# jobs to OUT. A later call of the same lease polls again with
+# The first device call of a lease of the lab study (benchmarks/lab_study.py): queue the next
+# STUDY jobs that the results file does not hold yet, run one at a time by a detached runner
+# (setsid: it outlives this call and runs until the machine goes back), wait WAIT minutes, then
+# write their status and the records of finished jobs to OUT. Later calls of the same lease poll:
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
 #       --out $OUT --data-dir /tmp/lab_data
-# With CHECKS=1 it first runs two lab_profile.py checks (what the lab does on this GPU):
-# lab-shared against lab-host on the 23M GPT, all three flags (the same bytes: the same logged
-# numbers expected), and the 125M speed at the study's micro-batch size beside one process.
+# With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
+# one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
+# at micro-batch size 4 and checks.txt says so.
 #
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
-# Usage: [CHECKS=1] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
+# Usage: [CHECKS=1] [MBS=8] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
 STUDY=${3:?study (125m, 350m)}
-JOBS=${4:?jobs to start}
+JOBS=${4:?jobs to queue}
 WAIT=${5:?minutes to wait before polling}
+MBS=${MBS:-}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  date -u '+%Y-%m-%d %H:%M UTC'; } > "$OUT/gpu.txt"
+  date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$OUT/gpu.txt"
 mkdir -p /tmp/lab_data && tar xJf runs/lab_data.tar.xz -C /tmp/lab_data || exit 1
 if [ "${CHECKS:-0}" = 1 ]; then
-    mkdir -p /tmp/checks/identity /tmp/checks/speed
-    python3 benchmarks/lab_profile.py --out /tmp/checks/identity/lab_identity.json --model small \
-        --configs all3 --runs lab-shared lab-host --iters 10 --host-iters 10 \
-        --micro-batch-size 4 --vocab-size 8192 2>&1 | tee "$OUT/checks.txt"
-    python3 benchmarks/lab_profile.py --out /tmp/checks/speed/lab_speed_mbs4.json --model 125m \
-        --configs zero3 --runs one lab-shared --iters 10 --micro-batch-size 4 \
-        2>&1 | tee -a "$OUT/checks.txt"
-    cp /tmp/checks/identity/lab_identity.json /tmp/checks/speed/lab_speed_mbs4.json "$OUT/"
+    mkdir -p /tmp/checks
+    if python3 benchmarks/lab_profile.py --out /tmp/checks/lab_speed_mbs"${MBS:-8}".json \
+            --model 125m --configs zero3 --runs one lab-shared --iters 10 \
+            --micro-batch-size "${MBS:-8}" > "$OUT/checks.txt" 2>&1; then
+        cp /tmp/checks/lab_speed_mbs"${MBS:-8}".json "$OUT/"
+    else
+        echo "[lease] the speed check at micro-batch ${MBS:-8} failed: the study runs at 4" \
+            | tee -a "$OUT/checks.txt"
+        MBS=4
+    fi
+    tail -5 "$OUT/checks.txt"
 fi
-python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --data-dir /tmp/lab_data \
-    --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
+python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
+    ${MBS:+--micro-batch-size "$MBS"} --data-dir /tmp/lab_data --run-dir /tmp/study \
+    --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
+date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
 sleep "$((WAIT * 60))"
 python3 benchmarks/lab_study.py poll --run-dir /tmp/study --out "$OUT" --data-dir /tmp/lab_data
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv >> "$OUT/gpu.txt"

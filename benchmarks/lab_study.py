@@ -9,9 +9,11 @@ A finished job becomes one line of the study's results file in the repo
 iterations, validation losses, the final validation loss, median ms per iteration. Jobs already
 in the file are skipped, so a later lease or session runs only what is missing::
 
-    # on the device (a job outlives the call: setsid), then poll in later calls of the lease
-    python benchmarks/lab_study.py start --study 125m --jobs 3 --data-dir runs/lab_data \\
-        --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit <sha>
+    # on the device (a job outlives the call: setsid), then poll in later calls of the lease;
+    # --one-at-a-time queues them (a detached runner starts each when the one before ends)
+    python benchmarks/lab_study.py start --study 125m --jobs 3 --one-at-a-time \\
+        --data-dir runs/lab_data --run-dir /tmp/study --results docs/lab_study/results.jsonl \\
+        --commit <sha>
     python benchmarks/lab_study.py poll --run-dir /tmp/study --out $OUT
     # here: add what came back, then the tables and curves
     python benchmarks/lab_study.py record --records <files_at>/records.jsonl \\
@@ -77,7 +79,7 @@ class Study:
 STUDIES = {
     # GPT-3 small: >= 1,500 iterations, >= 3 seeds; the noise floor on the first seeds
     "125m": Study("125m", 1500, (1234, 1235, 1236),
-                  ("zero3", "all3", "qwz+hpz", "all3+diff4", "zero3+sg"), micro_batch_size=4),
+                  ("zero3", "all3", "qwz+hpz", "all3+diff4", "zero3+sg"), micro_batch_size=8),
     # GPT-3 medium: >= 1,000 iterations, 2 seeds
     "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3"), micro_batch_size=4),
 }
@@ -103,8 +105,10 @@ def _data(data_dir: str) -> Tuple[Tuple[str, str], int, dict]:
     return prefixes, data["vocab_size"], corpus
 
 
-def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str) -> List[str]:
-    """pretrain_gpt.py's flags for one job (the lab adds its own)."""
+def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str,
+              micro_batch_size: Optional[int] = None) -> List[str]:
+    """pretrain_gpt.py's flags for one job (the lab adds its own); the micro-batch size is the
+    study's unless given (it changes how the global batch is cut, not what is trained)."""
     prefixes, vocab, _ = _data(data_dir)
     warmup = max(1, study.iters // 50)
     training = [f for f in G.TRAINING if f not in ("--ckpt-format", "torch")]
@@ -112,7 +116,7 @@ def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str)
         "--log-interval", "10",
         "--train-data-path", prefixes[0], "--valid-data-path", prefixes[1],
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
-        "--micro-batch-size", str(study.micro_batch_size),
+        "--micro-batch-size", str(micro_batch_size or study.micro_batch_size),
         "--global-batch-size", str(study.global_batch_size),
         "--train-iters", str(study.iters), "--lr-warmup-iters", str(warmup),
         "--eval-interval", str(study.eval_interval), "--eval-iters", str(study.eval_iters),
@@ -143,36 +147,106 @@ def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
             and (not only or c in only)]
 
 
+def _read_ledger(run_dir: str) -> Dict[str, dict]:
+    path = os.path.join(run_dir, "jobs.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_ledger(run_dir: str, ledger: Dict[str, dict]) -> None:
+    # whole-file replace: poll may read it while the queue runner writes
+    path = os.path.join(run_dir, "jobs.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(ledger, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _launch(entry: dict) -> subprocess.Popen:
+    """Start one job's lab (four ranks under torchrun), its output in the job's train.log."""
+    cmd = lab_command(NODES, RANKS_PER_NODE, entry["flags"], python=sys.executable,
+                      master_port=_free_port())
+    env = dict(os.environ, **COMMON_ENV, PYTHONUNBUFFERED="1")
+    entry["cmd"] = shlex.join(cmd)
+    with open(os.path.join(entry["dir"], "train.log"), "w") as log:
+        # its own session: the job outlives the call that started it
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def _queue_pid(run_dir: str) -> Optional[int]:
+    """The pid of the run directory's queue runner while it runs, else None."""
+    path = os.path.join(run_dir, "queue.pid")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        pid = int(f.read().strip() or 0)
+    return pid if _alive(pid) else None
+
+
 def start(args) -> int:
     study = SMOKE if args.study == "smoke" else STUDIES[args.study]
+    mbs = args.micro_batch_size or study.micro_batch_size
+    if mbs < 1 or study.global_batch_size % (mbs * NODES * RANKS_PER_NODE):
+        raise ValueError(f"--micro-batch-size {mbs}: the global batch "
+                         f"{study.global_batch_size} is not a multiple of it x "
+                         f"{NODES * RANKS_PER_NODE} ranks")
     os.makedirs(args.run_dir, exist_ok=True)
-    ledger_path = os.path.join(args.run_dir, "jobs.json")
-    ledger = {}
-    if os.path.exists(ledger_path):
-        with open(ledger_path) as f:
-            ledger = json.load(f)
+    runner = _queue_pid(args.run_dir)
+    if runner is not None:  # it owns the ledger until its queue is done
+        raise ValueError(f"{args.run_dir} has a queue runner (pid {runner}) still running; "
+                         "poll it, or use another --run-dir")
+    ledger = _read_ledger(args.run_dir)
     todo = pending(args.study, read_results(args.results), ledger, args.only)
+    chosen = []
     for config, seed in todo[:args.jobs]:
         key = job_key(args.study, config, seed)
         job_dir = os.path.join(args.run_dir, key.replace("/", "_"))
         os.makedirs(job_dir, exist_ok=True)
-        flags = job_flags(study, config, seed, args.data_dir, job_dir)
-        cmd = lab_command(NODES, RANKS_PER_NODE, flags, python=sys.executable,
-                          master_port=_free_port())
-        env = dict(os.environ, **COMMON_ENV, PYTHONUNBUFFERED="1")
-        with open(os.path.join(job_dir, "train.log"), "w") as log:
-            # its own session: the job outlives the call that started it
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
         ledger[key] = {"study": args.study, "config": config, "seed": seed, "dir": job_dir,
-                       "pid": proc.pid, "cmd": shlex.join(cmd), "flags": flags,
-                       "commit": args.commit, "started": time.time()}
-        print(f"started {key} (pid {proc.pid})", flush=True)
-    with open(ledger_path, "w") as f:
-        json.dump(ledger, f, indent=1)
+                       "pid": None, "micro_batch_size": mbs,
+                       "flags": job_flags(study, config, seed, args.data_dir, job_dir, mbs),
+                       "commit": args.commit, "started": None}
+        chosen.append(key)
     if not todo:
         print(f"nothing left to run in study {args.study}")
+    if args.one_at_a_time and chosen:
+        _write_ledger(args.run_dir, ledger)
+        with open(os.path.join(args.run_dir, "queue.log"), "a") as log:
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "run-queue", "--run-dir",
+                 args.run_dir], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(os.path.join(args.run_dir, "queue.pid"), "w") as f:
+            f.write(str(proc.pid))
+        print(f"queued {', '.join(chosen)}: one at a time (runner pid {proc.pid})", flush=True)
+        return 0
+    for key in chosen:
+        entry = ledger[key]
+        proc = _launch(entry)
+        entry.update(pid=proc.pid, started=time.time())
+        print(f"started {key} (pid {proc.pid})", flush=True)
+    _write_ledger(args.run_dir, ledger)
     return 0
+
+
+def run_queue(args) -> int:
+    """Run the ledger's queued jobs (no pid yet) one after the other, in ledger order; a job that
+    fails does not stop the ones after it."""
+    while True:
+        ledger = _read_ledger(args.run_dir)
+        key = next((k for k, e in ledger.items() if e.get("pid") is None), None)
+        if key is None:
+            return 0
+        entry = ledger[key]
+        proc = _launch(entry)
+        entry.update(pid=proc.pid, started=time.time())
+        _write_ledger(args.run_dir, ledger)
+        print(f"started {key} (pid {proc.pid})", flush=True)
+        rc = proc.wait()
+        entry["returncode"] = rc
+        _write_ledger(args.run_dir, ledger)
+        print(f"{key} ended with exit code {rc}", flush=True)
 
 
 def _alive(pid: int) -> bool:
@@ -199,7 +273,7 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
     return {"job": key, "study": entry["study"], "model": study.model, "config": entry["config"],
             "seed": entry["seed"], "iters": study.iters, "flags": list(CONFIGS[entry["config"]]),
             "layout": f"{NODES}x{RANKS_PER_NODE}",
-            "micro_batch_size": study.micro_batch_size,
+            "micro_batch_size": entry.get("micro_batch_size", study.micro_batch_size),
             "global_batch_size": study.global_batch_size, "commit": entry["commit"],
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
             "corpus": corpus, "loss_every_10": loss, "val_loss": [list(v) for v in h["val_loss"]],
@@ -215,6 +289,9 @@ def poll(args) -> int:
     status, records, partial = {}, [], []
     for key, entry in ledger.items():
         study = SMOKE if entry["study"] == "smoke" else STUDIES[entry["study"]]
+        if entry.get("pid") is None:  # waiting for the queue runner
+            status[key] = {"state": "queued", "iteration": 0, "ms_median": None, "minutes": 0}
+            continue
         _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
         rec = job_record(entry, key, study, corpus, device)
         alive = _alive(entry["pid"])
@@ -282,6 +359,10 @@ def table(args) -> int:
     if not records:
         print(f"no finished job of study {args.study} in {args.results}")
         return 0
+    sizes = sorted({r["micro_batch_size"] for r in records})
+    if len(sizes) > 1:  # another cut of the batch is another summation order: not one study
+        raise ValueError(f"study {args.study} mixes micro-batch sizes {sizes} in "
+                         f"{args.results}; keep one")
     order = list(CONFIGS)
     records.sort(key=lambda r: (order.index(r["config"]), r["seed"]))
     results = as_results(records)
@@ -301,13 +382,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start the next unfinished jobs, detached")
     s.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
-    s.add_argument("--jobs", type=int, default=1, help="how many to start now (they share the "
-                   "GPU)")
+    s.add_argument("--jobs", type=int, default=1, help="how many to start (at once they share "
+                   "the GPU; see --one-at-a-time)")
     s.add_argument("--only", nargs="*", default=[], choices=list(CONFIGS))
     s.add_argument("--data-dir", required=True)
     s.add_argument("--run-dir", required=True)
     s.add_argument("--results", required=True)
     s.add_argument("--commit", required=True, help="the commit the jobs run")
+    s.add_argument("--micro-batch-size", type=int, default=None,
+                   help="instead of the study's (recorded with each job)")
+    s.add_argument("--one-at-a-time", action="store_true",
+                   help="queue the jobs: a detached runner starts each when the one before ends")
+    w = sub.add_parser("run-queue", help="(started by start --one-at-a-time) run the queue")
+    w.add_argument("--run-dir", required=True)
     q = sub.add_parser("poll", help="status of the started jobs; records of the finished ones")
     q.add_argument("--run-dir", required=True)
     q.add_argument("--out", required=True)
@@ -321,7 +408,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     try:
-        return {"start": start, "poll": poll, "record": record, "table": table}[args.cmd](args)
+        return {"start": start, "run-queue": run_queue, "poll": poll, "record": record,
+                "table": table}[args.cmd](args)
     except (OSError, ValueError, KeyError) as e:
         p.error(str(e))
     return 2

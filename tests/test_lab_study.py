@@ -3,6 +3,7 @@ log, the results file skipping what it holds, and the study's table of paired ga
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -83,3 +84,71 @@ def test_record_refuses_an_unfinished_job(tmp_path):
     rec.write_text(json.dumps({"job": "smoke/all3@seed1", "final_val_loss": None}) + "\n")
     with pytest.raises(SystemExit):
         S.main(["record", "--records", str(rec), "--results", str(tmp_path / "res.jsonl")])
+
+
+def _queued_ledger(tmp_path, configs, mbs=2):
+    run = tmp_path / "run"
+    ledger = {}
+    for c in configs:
+        job_dir = run / f"smoke_{c}@seed1234"
+        job_dir.mkdir(parents=True)
+        ledger[S.job_key("smoke", c, 1234)] = {
+            "study": "smoke", "config": c, "seed": 1234, "dir": str(job_dir), "pid": None,
+            "micro_batch_size": mbs, "flags": [], "commit": "abc", "started": None}
+    S._write_ledger(str(run), ledger)
+    return run
+
+
+def test_queue_runs_its_jobs_one_after_the_other(tmp_path, monkeypatch):
+    """run-queue starts a job only when the one before has ended, in ledger order, and goes on
+    past a job that fails; poll says 'queued' for a job not started yet."""
+    run = _queued_ledger(tmp_path, ["zero3", "all3", "qwz+hpz"])
+    # before the runner: every job queued
+    out = tmp_path / "out0"
+    S.main(["poll", "--run-dir", str(run), "--out", str(out)])
+    assert {s["state"] for s in json.loads((out / "status.json").read_text()).values()} == {
+        "queued"}
+    spans = tmp_path / "spans.txt"
+
+    def fake_launch(entry):
+        code = 3 if entry["config"] == "all3" else 0  # the middle one fails
+        prog = (f"import time; t = time.time(); time.sleep(0.3); "
+                f"open({str(spans)!r}, 'a').write('{entry['config']} %r %r\\n' % (t, time.time()));"
+                f" raise SystemExit({code})")
+        return subprocess.Popen([sys.executable, "-c", prog])
+
+    monkeypatch.setattr(S, "_launch", fake_launch)
+    assert S.main(["run-queue", "--run-dir", str(run)]) == 0
+    rows = [line.split() for line in spans.read_text().splitlines()]
+    assert [r[0] for r in rows] == ["zero3", "all3", "qwz+hpz"]
+    for before, after in zip(rows, rows[1:]):
+        assert float(after[1]) >= float(before[2])  # no overlap
+    ledger = S._read_ledger(str(run))
+    assert [e["returncode"] for e in ledger.values()] == [0, 3, 0]
+    assert all(e["pid"] and e["started"] for e in ledger.values())
+
+
+def test_start_refuses_while_a_queue_runner_runs(tmp_path):
+    run = _queued_ledger(tmp_path, ["zero3"])
+    (run / "queue.pid").write_text(str(os.getpid()))  # alive: this process
+    argv = ["start", "--study", "smoke", "--data-dir", str(tmp_path), "--run-dir", str(run),
+            "--results", str(tmp_path / "res.jsonl"), "--commit", "abc"]
+    with pytest.raises(SystemExit):
+        S.main(argv)
+    assert S._queue_pid(str(run)) == os.getpid()
+    (run / "queue.pid").write_text("-1")  # control: a runner that is gone does not block
+    assert S._queue_pid(str(run)) is None
+
+
+def test_table_refuses_mixed_micro_batch_sizes(tmp_path):
+    results = tmp_path / "res.jsonl"
+    base = {"study": "smoke", "iters": 20, "val_loss": [[10, 5.0]], "final_val_loss": 4.0,
+            "last_iteration": 20, "seed": 1234}
+    rows = [dict(base, job="smoke/zero3@seed1234", config="zero3", micro_batch_size=2),
+            dict(base, job="smoke/all3@seed1234", config="all3", micro_batch_size=4)]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit):
+        S.main(["table", "--results", str(results), "--study", "smoke"])
+    rows[1]["micro_batch_size"] = 2  # control: one size is a table
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert S.main(["table", "--results", str(results), "--study", "smoke"]) == 0
