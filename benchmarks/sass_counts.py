@@ -51,7 +51,7 @@ def _always_plain(absmax, QMAX_F: tl.constexpr, FAST: tl.constexpr):
 def _count(fn, sig, consts, out_dir, name):
     sig = dict(sig, **{k: "constexpr" for k in consts})
     attrs = {(fn.arg_names.index(a),): _DIV16 for a, t in sig.items() if t != "constexpr"
-             and a not in ("flip_bits", "magic_bits")}
+             and a != "magic_bits"}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": WARPS, "enable_fp_fusion": False})
@@ -98,7 +98,7 @@ def main() -> None:
                "out_scale_ptr": "*fp32", "out_ptr": "*i32",
                "keys_ptr": "*i64" if sr else "*fp32", "rows": "i32", "n_cols": "i32",
                "nbytes_in": "i32", "nblocks_in": "i32", "nbytes_out": "i32",
-               "nblocks_out": "i32", "flip_bits": "i32", "magic_bits": "i32"}
+               "nblocks_out": "i32", "magic_bits": "i32"}
         consts = dict(ROWS_FIRST=False, P=8, IN_BITS=4, IN_BS=BS, OUT_BITS=4, OUT_QMAX_F=7.0,
                       OUT_BS=BS, TILE=TILE, EVEN=True, INTERPRET=False, FAST=fast,
                       STOCHASTIC=sr)

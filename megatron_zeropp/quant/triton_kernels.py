@@ -59,8 +59,7 @@ _CONFIG = {"quantize": (2048, 2, False), "dequantize": (2048, 4, False),
            "reduce": (2048, 2, True), "reduce_cast": (1024, 2, True)}
 _MAX_GRID_DIM1 = 65535
 
-# Runtime arguments of the INT4 unpacking (see _unpack_words): 0x88888888 as int32, bits of 2**23.
-_FLIP_BITS = -0x77777778
+# Runtime argument of the INT4 unpacking (see _nibble): the bits of 2**23.
 _MAGIC23_BITS = 0x4B000000
 
 # Row offsets are 64-bit, element offsets inside a row 32-bit: a row must stay below this.
@@ -272,32 +271,33 @@ def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl
 
 
 @triton.jit
-def _nibble(wx, magic_bits, K: tl.constexpr):
-    """Code in nibble K (0..4, bits 4K..4K+3) of words ``wx = w ^ 0x88888888``, as exact fp32.
+def _nibble(w, magic_bits, K: tl.constexpr):
+    """Code in nibble K (0..4, bits 4K..4K+3) of int32 words ``w``, as exact fp32.
 
-    Flipping bit 3 of a two's complement nibble gives code + 8 (0..15). OR-ing it into the bits
-    of 2**23 makes the float ``2**23 + (code + 8) * 16**K``; bits above 19 would reach the
-    exponent, hence K <= 4. One fused multiply-add by ``16**-K`` and a constant then yields the
-    code: the product and the result are exact, so its single rounding changes nothing. That is
-    one LOP3 and one FFMA per code, no integer-to-float conversion.
+    Flipping bit 3 of a two's complement nibble gives code + 8 (0..15). Put into the bits of
+    2**23 (``(w & mask) ^ (bits(2**23) + (8 << 4K))``: the nibble, its bit 3 flipped, OR-ed into
+    the bits of 2**23, as the mask and 2**23 share no bits), that makes the float
+    ``2**23 + (code + 8) * 16**K``; bits above 19 would reach the exponent, hence K <= 4. One
+    fused multiply-add by ``16**-K`` and a constant then yields the code: the product and the
+    result are exact, so its single rounding changes nothing. That is one LOP3 and one FFMA per
+    code, no integer-to-float conversion and no per-word flip.
+
+    ``magic_bits`` (0x4B000000) is a kernel argument, not a literal: with a literal the compiler
+    folds the constant into the immediate of a second logic instruction (the LOP3 takes one
+    immediate, the mask); with a run-time ``magic_bits + (8 << 4K)`` (computed once per program)
+    it stays one ``(w & imm) ^ reg`` per code.
     """
-    t = (wx & (0xF << (4 * K))) | magic_bits
+    t = (w & (0xF << (4 * K))) ^ (magic_bits + (8 << (4 * K)))
     return tl.fma(t.to(tl.float32, bitcast=True), 1.0 / (1 << (4 * K)),
                   -(8388608.0 / (1 << (4 * K)) + 8.0))
 
 
 @triton.jit
-def _unpack_words(w, flip_bits, magic_bits):
-    """The 8 INT4 codes of int32 words ``w`` as fp32, nibble-major: ``c_k`` is element 8i+k.
-
-    ``flip_bits`` (0x88888888) and ``magic_bits`` (0x4B000000) arrive as kernel arguments, not
-    literals: with literals the compiler folds ``(w ^ flip) & mask | magic`` back into
-    ``(w & mask) ^ (magic | bit)``, two logic instructions per code instead of one.
-    """
-    wx = w ^ flip_bits
-    v = wx >> 12  # nibbles 5..7 move to nibble positions 2..4
-    return (_nibble(wx, magic_bits, 0), _nibble(wx, magic_bits, 1), _nibble(wx, magic_bits, 2),
-            _nibble(wx, magic_bits, 3), _nibble(wx, magic_bits, 4), _nibble(v, magic_bits, 2),
+def _unpack_words(w, magic_bits):
+    """The 8 INT4 codes of int32 words ``w`` as fp32, nibble-major: ``c_k`` is element 8i+k."""
+    v = w >> 12  # nibbles 5..7 move to nibble positions 2..4
+    return (_nibble(w, magic_bits, 0), _nibble(w, magic_bits, 1), _nibble(w, magic_bits, 2),
+            _nibble(w, magic_bits, 3), _nibble(w, magic_bits, 4), _nibble(v, magic_bits, 2),
             _nibble(v, magic_bits, 3), _nibble(v, magic_bits, 4))
 
 
@@ -460,7 +460,7 @@ def _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS: tl.constexpr
 
 @triton.jit
 def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nblocks_row,
-                            flip_bits, magic_bits, ROWS_FIRST: tl.constexpr, BITS: tl.constexpr,
+                            magic_bits, ROWS_FIRST: tl.constexpr, BITS: tl.constexpr,
                             BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
                             INTERPRET: tl.constexpr):
     row, t = _row_and_tile(ROWS_FIRST)
@@ -469,7 +469,7 @@ def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nb
         v = _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS, G, EVEN) * s
     else:
         w = _load_row_tile(data_ptr, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, magic_bits)
         v = _interleave8(c0 * s, c1 * s, c2 * s, c3 * s, c4 * s, c5 * s, c6 * s, c7 * s)
     cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
     ptrs = out_ptr + row.to(tl.int64) * n_cols + cols
@@ -508,7 +508,7 @@ def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nb
 @triton.jit
 def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, out_ptr,
                               keys_ptr, rows, n_cols, nbytes_in, nblocks_in, nbytes_out,
-                              nblocks_out, flip_bits, magic_bits, ROWS_FIRST: tl.constexpr,
+                              nblocks_out, magic_bits, ROWS_FIRST: tl.constexpr,
                               P: tl.constexpr, IN_BITS: tl.constexpr, IN_BS: tl.constexpr,
                               OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
                               OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
@@ -542,7 +542,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
             s = _load_scales(scale_ptr, p * rows + row, t, nblocks_in, GI, EVEN)[:, None]
             w = _load_row_tile(data_ptr, p * rows + row, t, nbytes_in // 4, nblocks_in, W, GI,
                                EVEN)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, magic_bits)
             # one rounding per piece (a fused multiply-add), as the reference
             a0 = tl.fma(c0, s, a0)
             a1 = tl.fma(c1, s, a1)
@@ -704,7 +704,7 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     grid, rows_first = _grid(rows, -(-numel // tile))
     _dequantize_rows_kernel[grid](
         _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
-        _FLIP_BITS, _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
+        _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
         G=tile // block_size, EVEN=numel % tile == 0, INTERPRET=_interpreting(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
@@ -743,7 +743,7 @@ def dequantize_reduce(
         _dequantize_reduce_kernel[grid](
             _kernel_codes(data, bits), scales.contiguous(),
             out_data if out_bits is None else _kernel_codes(out_data, out_bits), out_scales, out,
-            keys, rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, _FLIP_BITS,
+            keys, rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out,
             _MAGIC23_BITS, ROWS_FIRST=rows_first, P=pieces, IN_BITS=bits, IN_BS=block_size,
             OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
             TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
