@@ -101,7 +101,7 @@ def main() -> None:
                "nblocks_out": "i32", "magic_bits": "i32"}
         consts = dict(ROWS_FIRST=False, P=8, IN_BITS=4, IN_BS=BS, OUT_BITS=4, OUT_QMAX_F=7.0,
                       OUT_BS=BS, TILE=TILE, EVEN=True, INTERPRET=False, FAST=fast,
-                      STOCHASTIC=sr)
+                      STOCHASTIC=sr, OFF64=False)
         n, ops = _count(tk._dequantize_reduce_kernel, sig, consts, out_dir,
                         f"reduce_{'sr' if sr else 'rne'}")
         _report("INT4 dequantize-reduce-requantize 8->1", sr, n, per_thread, ops)

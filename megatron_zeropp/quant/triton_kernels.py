@@ -62,6 +62,9 @@ _MAX_GRID_DIM1 = 65535
 # Runtime argument of the INT4 unpacking (see _nibble): the bits of 2**23.
 _MAGIC23_BITS = 0x4B000000
 
+# The INT4 dequantize-reduce addresses its input in int32 below this many words or scales.
+_OFF32_LIMIT = 2**31
+
 # Row offsets are 64-bit, element offsets inside a row 32-bit: a row must stay below this.
 _MAX_ROW = 2**31 - 2 * 4096
 
@@ -513,7 +516,7 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                               OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
                               OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
                               INTERPRET: tl.constexpr, FAST: tl.constexpr,
-                              STOCHASTIC: tl.constexpr):
+                              STOCHASTIC: tl.constexpr, OFF64: tl.constexpr):
     row, t = _row_and_tile(ROWS_FIRST)
     GI: tl.constexpr = TILE // IN_BS
     if IN_BITS == 8:
@@ -538,10 +541,30 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
         a5 = a0
         a6 = a0
         a7 = a0
+        # Piece p's row is p * rows + row: the pointers of piece 0 are made once, and each
+        # further piece adds a (uniform) stride, instead of a 64-bit row address per piece.
+        # Piece p's row is p * rows + row. Offsets are made once for piece 0 and advanced by a
+        # uniform stride per piece, in int32 unless the input has 2**31 words or scales
+        # (OFF64): no 64-bit row address per piece.
+        blocks = t * GI + tl.arange(0, GI)
+        if OFF64:
+            r0 = row.to(tl.int64)
+            nr = rows.to(tl.int64)
+        else:
+            r0 = row
+            nr = rows
+        woff = r0 * (nbytes_in // 4) + (blocks[:, None] * W + tl.arange(0, W)[None, :])
+        soff = r0 * nblocks_in + blocks
         for p in tl.static_range(P):
-            s = _load_scales(scale_ptr, p * rows + row, t, nblocks_in, GI, EVEN)[:, None]
-            w = _load_row_tile(data_ptr, p * rows + row, t, nbytes_in // 4, nblocks_in, W, GI,
-                               EVEN)
+            if p > 0:
+                woff += nr * (nbytes_in // 4)
+                soff += nr * nblocks_in
+            if EVEN:
+                s = tl.load(scale_ptr + soff)[:, None]
+                w = tl.load(data_ptr + woff)
+            else:
+                s = tl.load(scale_ptr + soff, mask=blocks < nblocks_in, other=0.0)[:, None]
+                w = tl.load(data_ptr + woff, mask=(blocks < nblocks_in)[:, None], other=0)
             c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, magic_bits)
             # one rounding per piece (a fused multiply-add), as the reference
             a0 = tl.fma(c0, s, a0)
@@ -747,7 +770,8 @@ def dequantize_reduce(
             _MAGIC23_BITS, ROWS_FIRST=rows_first, P=pieces, IN_BITS=bits, IN_BS=block_size,
             OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
             TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
-            STOCHASTIC=stochastic, num_warps=num_warps, enable_fp_fusion=False,
+            STOCHASTIC=stochastic, OFF64=max(data.numel() // 4, scales.numel()) >= _OFF32_LIMIT,
+            num_warps=num_warps, enable_fp_fusion=False,
         )
     if out_bits is None:
         return out
