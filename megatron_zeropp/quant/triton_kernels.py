@@ -50,12 +50,24 @@ from .reference import (
     quantized_sizes,
 )
 from .rounding import check_keys, to_device
+from .triton_rounding import (
+    _FLIP_BITS_U32,
+    _SR_BIAS,
+    _hash_input,
+    _sr_bits,
+    _sr_pair,
+    _sr_words,
+    _sr_y,
+)
 
 # (elements per program, warps per program, FAST) by kernel, from the H200 sweeps recorded in
 # docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
 # dtype: its interleaving runs out of registers above 16). A program's tile is at least one
-# block. FAST: test each tile for the plain case (see _block_params).
-_CONFIG = {"quantize": (2048, 2, False), "dequantize": (2048, 4, False),
+# block. FAST: test each tile for the plain case (see _block_params). quantize4 (INT4, the
+# word layout of _quantize_words): one warp of 4 blocks, so that no block spans two warps;
+# not measured yet (the SASS counts are in benchmarks/notes_kernels.md).
+_CONFIG = {"quantize": (2048, 2, False), "quantize4": (1024, 1, False),
+           "dequantize": (2048, 4, False),
            "reduce": (2048, 2, True), "reduce_cast": (1024, 2, True)}
 _MAX_GRID_DIM1 = 65535
 
@@ -78,16 +90,6 @@ _MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of _MAGIC
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # _pack_words: 8 * 0x11111111 - 0x4B400000 * 0x11111111 (mod 2**32), and 0x88888888.
 _PACK_OFFSET = tl.constexpr(0x49488888)
-# Stochastic rounding: y + 384 lies in [256, 512), where the fp32 spacing is 2**-15 (.rounding).
-_SR_SHIFT = tl.constexpr(384.0)
-# INT8: (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's
-# complement byte; the bias rides along in the same 3-input integer addition.
-_SR_BIAS = tl.constexpr(0x80 << 15)
-# INT4 (_sr_words): the constant that turns sum_k (q_k + 0x8780) 16**k into sum_k (q_k + 8) 16**k,
-# (8 - 0x8780) * 0x11111111 (mod 2**32), as _PACK_OFFSET does for _pack_words. No bias in the
-# additions there, so that the odd column's b + (h >> 17) can be a single LEA.HI.
-_SR_PACK_OFFSET = tl.constexpr(0x00000908)
-_FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
 
 @triton.jit
@@ -181,45 +183,6 @@ def _codes(x, ok, p, inv, plain):
 
 
 @triton.jit
-def _sr_bits(y):
-    """int32 bits of ``fl(y + 384)``, which hold ``y`` rounded to 15 fractional bits."""
-    return (y + _SR_SHIFT).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _pair_bits(x):
-    """``(r_even, r_odd)`` (int32) of the pair hash ``mix32(j ^ key)`` (lowbias32,
-    :func:`.rounding.mix32`), from ``x = j ^ (j >> 16) ^ kk`` with ``kk = key ^ (key >> 16)``:
-    that is mix32's first step, with the key's half computed once per row. The last step
-    ``h = x ^ (x >> 16)`` is folded in: ``h >> 17 = x >> 17`` and ``h & 0x7FFF = (x ^ (x >> 16))
-    & 0x7FFF`` (one 3-input logic instruction). The second multiplier does not fit an int32
-    literal, so it is made from its int32 bit pattern."""
-    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
-    return ((x ^ (x >> 16)) & 0x7FFF).to(tl.int32, bitcast=True), (x >> 17).to(tl.int32,
-                                                                              bitcast=True)
-
-
-@triton.jit
-def _sr_pair(ba, bb, x, BIAS: tl.constexpr):
-    """Stochastically rounded codes ``q + 0x8780 + (BIAS >> 15)`` (int32) of columns 2j and
-    2j + 1, from their :func:`_sr_bits` ``ba``, ``bb`` and their pair's hash input ``x`` (see
-    :func:`_pair_bits`).
-
-    No floor, clamp or conversion: ``(bits + r) >> 15 = q + 0x8780`` already lies in
-    ``[-qmax, qmax] + 0x8780`` (proof in :mod:`.rounding`)."""
-    ra, rb = _pair_bits(x)
-    return (ba + ra + BIAS) >> 15, (bb + rb + BIAS) >> 15
-
-
-@triton.jit
-def _hash_input(j, key):
-    """``x`` of :func:`_pair_bits` for pair indices ``j`` (uint32) and a row key (uint32)."""
-    return j ^ (j >> 16) ^ (key ^ (key >> 16))
-
-
-@triton.jit
 def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
     """Stochastically rounded INT8 codes of ``x [G, BS]`` (tile t; low byte = code), one hash
     per pair of columns. The bits are made in the load layout and only then split into even
@@ -230,47 +193,6 @@ def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
     pairs = (t * G + tl.arange(0, G))[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     qe, qo = _sr_pair(e, o, _hash_input(pairs.to(tl.uint32), key), _SR_BIAS)
     return tl.reshape(tl.join(qe, qo), (G, BS))
-
-
-@triton.jit
-def _sr_y(x, p, inv, plain):
-    """``y`` of :func:`_scaled` without the select of non-finite blocks: their values become
-    garbage (NaN bits) that :func:`_sr_words` replaces by code 0 one word at a time, which is
-    the code the reference gives them (``y = 0``, ``floor(r 2**-15) = 0``). Under the
-    interpreter numpy warns about the ``Inf * 0`` this may compute; the result is discarded."""
-    if plain:
-        y = x * inv[:, None]
-    else:
-        y = (x * p[:, None]) * inv[:, None]
-    return y
-
-
-@triton.jit
-def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl.constexpr):
-    """Stochastically rounded INT4 words from nibble-major :func:`_sr_bits` ``b_k [G, W]``
-    (``b_k[g, i]`` is column 8 (W (t G + g) + i) + k of the row): components 2m and 2m + 1 are
-    column pair 4 (W (t G + g) + i) + m, so four hashes per word. Blocks that are not ``ok``
-    get zero words (codes 0)."""
-    words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]
-    # pair 4 w + m is (4 w) ^ m (m < 4), and (4 w + m) >> 16 = (4 w) >> 16: one hash input
-    # per word, then an XOR per pair
-    x = _hash_input((words * 4).to(tl.uint32), key)
-    q0, q1 = _sr_pair(b0, b1, x, 0)
-    q2, q3 = _sr_pair(b2, b3, x ^ 1, 0)
-    q4, q5 = _sr_pair(b4, b5, x ^ 2, 0)
-    q6, q7 = _sr_pair(b6, b7, x ^ 3, 0)
-    # the sum of _pack_words in Horner form: one shift-and-add per code (written as _pack_words
-    # does it, ptxas turns (s >> 15) << 4k into a shift and a mask, then adds separately)
-    w = q7.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q6.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q5.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q4.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q3.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q2.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q1.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q0.to(tl.uint32, bitcast=True)
-    w = ((w + _SR_PACK_OFFSET) ^ _FLIP_BITS_U32).to(tl.int32, bitcast=True)
-    return tl.where(ok[:, None], w, 0)
 
 
 @triton.jit
@@ -422,11 +344,75 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
         if STOCHASTIC:
             # split after the per-element float work, as the nearest path does (_sr_int8)
             b0, b1, b2, b3, b4, b5, b6, b7 = _split8(_sr_bits(_sr_y(x, p, inv, plain)), BS, G)
-            words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, BS // 8, G)
+            words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok[:, None],
+                              (t * G + tl.arange(0, G))[:, None] * (BS // 8)
+                              + tl.arange(0, BS // 8)[None, :], key)
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = _split8(_codes(x, ok, p, inv, plain), BS, G)
             words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7)
         _store_row_tile(data_ptr, words, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
+
+
+@triton.jit
+def _quantize_words(x_ptr, src, row, t, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_row,
+                    nblocks_row, QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                    EVEN: tl.constexpr, FAST: tl.constexpr, INTERPRET: tl.constexpr,
+                    STOCHASTIC: tl.constexpr):
+    """INT4 quantize of tile t of a row, in the layout of its words: the tile is loaded as
+    ``x[g, i, k]`` = column ``8 (W (t G + g) + i) + k`` (W = BS // 8 words per block), so a
+    thread's 8 consecutive values (the fastest dimension) are one word. Neither g nor i is
+    contiguous in memory, and Triton then gives the threads of a warp to the blocks (g)
+    first: with G = 4 blocks per warp a thread holds 4 words of one block only (one pair of
+    divisions per thread, three shuffles for the absmax) and stores its words directly, with
+    no layout conversion through shared memory."""
+    W: tl.constexpr = BS // 8
+    words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]  # [G, W]
+    cols = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
+    if EVEN:
+        x = _widen(tl.load(ptrs), INTERPRET)
+    else:
+        x = _widen(tl.load(ptrs, mask=cols < n_cols, other=0.0), INTERPRET)
+    absmax = tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
+    ok, scale, p, inv, plain = _block_params(absmax, QMAX_F, FAST)
+    _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
+    inv3 = inv[:, None, None]
+    p3 = p[:, None, None]
+    if STOCHASTIC:
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        if plain:
+            y = x * inv3
+        else:
+            y = (x * p3) * inv3
+        b = tl.reshape(_sr_bits(y), (G, W, 2, 2, 2))
+        b0, b1, b2, b3, b4, b5, b6, b7 = _split_k(b)
+        vals = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok[:, None], words, key)
+    else:
+        if plain:
+            y = x * inv3
+        else:
+            y = (tl.where(ok[:, None, None], x, 0.0) * p3) * inv3
+        c = tl.reshape((y + _MAGIC).to(tl.int32, bitcast=True), (G, W, 2, 2, 2))
+        c0, c1, c2, c3, c4, c5, c6, c7 = _split_k(c)
+        vals = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7)
+    ptrs = data_ptr + row.to(tl.int64) * (nbytes_row // 4) + words
+    if EVEN:
+        tl.store(ptrs, vals)
+    else:
+        tl.store(ptrs, vals, mask=words < nblocks_row * W)
+
+
+@triton.jit
+def _split_k(c):
+    """``c [.., .., 2, 2, 2]`` (k = 4 k2 + 2 k1 + k0) -> its 8 components c_k."""
+    e, o = tl.split(c)  # k0 = 0, 1
+    e0, e1 = tl.split(e)  # k1
+    o0, o1 = tl.split(o)
+    c0, c4 = tl.split(e0)  # k2
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
@@ -443,14 +429,18 @@ def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_r
         src = (row % NODES) * RANKS_PER_NODE + row // NODES
     else:
         src = row
-    cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
-    ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
-    if EVEN:
-        x = tl.load(ptrs)
+    if BITS == 4:
+        _quantize_words(x_ptr, src, row, t, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_row,
+                        nblocks_row, QMAX_F, BS, G, EVEN, FAST, INTERPRET, STOCHASTIC)
     else:
-        x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
-    _quantize_store(_widen(x, INTERPRET), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row,
-                    BITS, QMAX_F, BS, G, EVEN, FAST, keys_ptr, STOCHASTIC)
+        cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
+        ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
+        if EVEN:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
+        _quantize_store(_widen(x, INTERPRET), row, t, data_ptr, scale_ptr, nbytes_row,
+                        nblocks_row, BITS, QMAX_F, BS, G, EVEN, FAST, keys_ptr, STOCHASTIC)
 
 
 @triton.jit
@@ -595,7 +585,8 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                     _sr_bits(_sr_y(a2, pp, inv, plain)), _sr_bits(_sr_y(a3, pp, inv, plain)),
                     _sr_bits(_sr_y(a4, pp, inv, plain)), _sr_bits(_sr_y(a5, pp, inv, plain)),
                     _sr_bits(_sr_y(a6, pp, inv, plain)), _sr_bits(_sr_y(a7, pp, inv, plain)),
-                    ok, t, key, W, GI)
+                    ok[:, None],
+                    (t * GI + tl.arange(0, GI))[:, None] * W + tl.arange(0, W)[None, :], key)
             else:
                 words = _pack_words(
                     _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
@@ -674,7 +665,7 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
     if rows == 0 or nblocks == 0:
         return data, scales
     _check_row_length(n)
-    tile, num_warps, fast = _config("quantize", block_size, tuning)
+    tile, num_warps, fast = _config("quantize" if bits == 8 else "quantize4", block_size, tuning)
     grid, rows_first = _grid(rows, -(-n // tile))
     keys, stochastic = _keys_arg(row_keys, rows, src.device, scales)
     _quantize_rows_kernel[grid](
