@@ -363,8 +363,8 @@ def _quantize_words(x_ptr, src, row, t, data_ptr, scale_ptr, keys_ptr, n_cols, n
     thread's 8 consecutive values (the fastest dimension) are one word. Neither g nor i is
     contiguous in memory, and Triton then gives the threads of a warp to the blocks (g)
     first: with G = 4 blocks per warp a thread holds 4 words of one block only (one pair of
-    divisions per thread, three shuffles for the absmax) and stores its words directly, with
-    no layout conversion through shared memory."""
+    divisions per thread, three shuffles for the absmax). Triton still converts the words (for
+    16-byte stores) and the scales through shared memory before storing them."""
     W: tl.constexpr = BS // 8
     words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]  # [G, W]
     cols = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
