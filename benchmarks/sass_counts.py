@@ -36,6 +36,7 @@ from triton.compiler import ASTSource
 from megatron_zeropp.quant import triton_kernels as tk
 
 BS, TILE, WARPS = 256, 2048, 2
+TILE4, WARPS4 = 2048, 2  # the INT4 quantize (tk._CONFIG["quantize4"])
 _DIV16 = [["tt.divisibility", 16]]  # or the loads and stores come out scalar
 
 
@@ -48,13 +49,13 @@ def _always_plain(absmax, QMAX_F: tl.constexpr, FAST: tl.constexpr):
     return ok, scale, p, inv, True
 
 
-def _count(fn, sig, consts, out_dir, name):
+def _count(fn, sig, consts, out_dir, name, warps=WARPS):
     sig = dict(sig, **{k: "constexpr" for k in consts})
     attrs = {(fn.arg_names.index(a),): _DIV16 for a, t in sig.items() if t != "constexpr"
-             and a not in ("flip_bits", "magic_bits")}
+             and a != "magic_bits"}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": WARPS, "enable_fp_fusion": False})
+                       options={"num_warps": warps, "enable_fp_fusion": False})
     cubin = os.path.join(out_dir, name + ".cubin")
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])
@@ -82,26 +83,27 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     per_thread = TILE / (32 * WARPS)
     for bits, name in ((8, "INT8 quantize"), (4, "INT4 swizzled quantize 2x4")):
+        tile, warps = (TILE, WARPS) if bits == 8 else (TILE4, WARPS4)
         for sr in (False, True):
             sig = {"x_ptr": "*bf16", "data_ptr": "*i8" if bits == 8 else "*i32",
                    "scale_ptr": "*fp32", "keys_ptr": "*i64" if sr else "*fp32",
                    "n_cols": "i32", "nbytes_row": "i32", "nblocks_row": "i32"}
             consts = dict(NODES=1 if bits == 8 else 2, RANKS_PER_NODE=1 if bits == 8 else 4,
                           SWIZZLE=bits == 4, ROWS_FIRST=bits == 4, BITS=bits,
-                          QMAX_F=float(tk.QMAX[bits]), BS=BS, G=TILE // BS, EVEN=True,
+                          QMAX_F=float(tk.QMAX[bits]), BS=BS, G=tile // BS, EVEN=True,
                           FAST=args.mode == "plain", INTERPRET=False, STOCHASTIC=sr)
             n, ops = _count(tk._quantize_rows_kernel, sig, consts, out_dir,
-                            f"quantize{bits}_{'sr' if sr else 'rne'}")
-            _report(name, sr, n, per_thread, ops)
+                            f"quantize{bits}_{'sr' if sr else 'rne'}", warps)
+            _report(name, sr, n, tile / (32 * warps), ops)
     for sr in (False, True):
         sig = {"data_ptr": "*i32", "scale_ptr": "*fp32", "out_data_ptr": "*i32",
                "out_scale_ptr": "*fp32", "out_ptr": "*i32",
                "keys_ptr": "*i64" if sr else "*fp32", "rows": "i32", "n_cols": "i32",
                "nbytes_in": "i32", "nblocks_in": "i32", "nbytes_out": "i32",
-               "nblocks_out": "i32", "flip_bits": "i32", "magic_bits": "i32"}
+               "nblocks_out": "i32", "magic_bits": "i32"}
         consts = dict(ROWS_FIRST=False, P=8, IN_BITS=4, IN_BS=BS, OUT_BITS=4, OUT_QMAX_F=7.0,
                       OUT_BS=BS, TILE=TILE, EVEN=True, INTERPRET=False, FAST=fast,
-                      STOCHASTIC=sr)
+                      STOCHASTIC=sr, OFF64=False)
         n, ops = _count(tk._dequantize_reduce_kernel, sig, consts, out_dir,
                         f"reduce_{'sr' if sr else 'rne'}")
         _report("INT4 dequantize-reduce-requantize 8->1", sr, n, per_thread, ops)

@@ -165,6 +165,31 @@ def test_dequantize_reduce(bits, numel, tile, out):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("out", [(None, torch.float32), (4, None)])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("numel", [100, 128])
+def test_dequantize_reduce_with_64_bit_offsets(monkeypatch, out, stochastic, numel):
+    """The INT4 input offsets are int32 below _OFF32_LIMIT words and int64 from there on: with
+    the limit at 0 every call takes the int64 path, which must give the same bits."""
+    from megatron_zeropp.quant import qgz_reference as qref
+    from megatron_zeropp.quant import reference as ref
+    from megatron_zeropp.quant import rounding
+    from megatron_zeropp.quant import triton_kernels as tk
+
+    pieces, rows = 3, 2
+    x = tricky(6, numel, torch.float32, seed=7).view(pieces * rows, numel)
+    data, scales = ref.quantize_chunks(x, 4, 32)
+    data, scales = data.view(pieces, rows, -1), scales.view(pieces, rows, -1)
+    out_bits, out_dtype = out
+    keys = rounding.row_keys(5, range(rows)) if stochastic and out_bits else None
+    kw = dict(out_bits=out_bits, out_dtype=out_dtype or torch.float32, out_row_keys=keys)
+    want = qref.dequantize_reduce(data, scales, 4, 32, numel, **kw)
+    assert same(tk.dequantize_reduce(data, scales, 4, 32, numel, **kw, tile=64), want)
+    monkeypatch.setattr(tk, "_OFF32_LIMIT", 0)
+    assert same(tk.dequantize_reduce(data, scales, 4, 32, numel, **kw, tile=64), want)
+
+
+@needs_interpreter
 def test_dequantize_reduce_rounds_once_per_piece():
     """The adversarial sum of test_quant_qgz: a product exactly at an fp32 midpoint plus a tiny
     partial sum; the kernel's fma and the reference's emulation must both round once."""

@@ -50,18 +50,32 @@ from .reference import (
     quantized_sizes,
 )
 from .rounding import check_keys, to_device
+from .triton_rounding import (
+    _FLIP_BITS_U32,
+    _SR_BIAS,
+    _hash_input,
+    _sr_bits,
+    _sr_pair,
+    _sr_words,
+    _sr_y,
+)
 
 # (elements per program, warps per program, FAST) by kernel, from the H200 sweeps recorded in
 # docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
 # dtype: its interleaving runs out of registers above 16). A program's tile is at least one
-# block. FAST: test each tile for the plain case (see _block_params).
-_CONFIG = {"quantize": (2048, 2, False), "dequantize": (2048, 4, False),
+# block. FAST: test each tile for the plain case (see _block_params). quantize4 (INT4, the
+# word layout of _quantize_words): one warp of 4 blocks, so that no block spans two warps;
+# not measured yet (the SASS counts are in benchmarks/notes_kernels.md).
+_CONFIG = {"quantize": (2048, 2, False), "quantize4": (1024, 1, False),
+           "dequantize": (2048, 4, False),
            "reduce": (2048, 2, True), "reduce_cast": (1024, 2, True)}
 _MAX_GRID_DIM1 = 65535
 
-# Runtime arguments of the INT4 unpacking (see _unpack_words): 0x88888888 as int32, bits of 2**23.
-_FLIP_BITS = -0x77777778
+# Runtime argument of the INT4 unpacking (see _nibble): the bits of 2**23.
 _MAGIC23_BITS = 0x4B000000
+
+# The INT4 dequantize-reduce addresses its input in int32 below this many words or scales.
+_OFF32_LIMIT = 2**31
 
 # Row offsets are 64-bit, element offsets inside a row 32-bit: a row must stay below this.
 _MAX_ROW = 2**31 - 2 * 4096
@@ -76,16 +90,6 @@ _MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of _MAGIC
 _ALL = tl.constexpr(tl.PropagateNan.ALL)
 # _pack_words: 8 * 0x11111111 - 0x4B400000 * 0x11111111 (mod 2**32), and 0x88888888.
 _PACK_OFFSET = tl.constexpr(0x49488888)
-# Stochastic rounding: y + 384 lies in [256, 512), where the fp32 spacing is 2**-15 (.rounding).
-_SR_SHIFT = tl.constexpr(384.0)
-# INT8: (bits(y + 384) + r + _SR_BIAS) >> 15 = q + 0x8800, whose low byte is q's two's
-# complement byte; the bias rides along in the same 3-input integer addition.
-_SR_BIAS = tl.constexpr(0x80 << 15)
-# INT4 (_sr_words): the constant that turns sum_k (q_k + 0x8780) 16**k into sum_k (q_k + 8) 16**k,
-# (8 - 0x8780) * 0x11111111 (mod 2**32), as _PACK_OFFSET does for _pack_words. No bias in the
-# additions there, so that the odd column's b + (h >> 17) can be a single LEA.HI.
-_SR_PACK_OFFSET = tl.constexpr(0x00000908)
-_FLIP_BITS_U32 = tl.constexpr(0x88888888)
 
 
 @triton.jit
@@ -179,45 +183,6 @@ def _codes(x, ok, p, inv, plain):
 
 
 @triton.jit
-def _sr_bits(y):
-    """int32 bits of ``fl(y + 384)``, which hold ``y`` rounded to 15 fractional bits."""
-    return (y + _SR_SHIFT).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _pair_bits(x):
-    """``(r_even, r_odd)`` (int32) of the pair hash ``mix32(j ^ key)`` (lowbias32,
-    :func:`.rounding.mix32`), from ``x = j ^ (j >> 16) ^ kk`` with ``kk = key ^ (key >> 16)``:
-    that is mix32's first step, with the key's half computed once per row. The last step
-    ``h = x ^ (x >> 16)`` is folded in: ``h >> 17 = x >> 17`` and ``h & 0x7FFF = (x ^ (x >> 16))
-    & 0x7FFF`` (one 3-input logic instruction). The second multiplier does not fit an int32
-    literal, so it is made from its int32 bit pattern."""
-    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full(x.shape, -2073254261, tl.int32).to(tl.uint32, bitcast=True)
-    return ((x ^ (x >> 16)) & 0x7FFF).to(tl.int32, bitcast=True), (x >> 17).to(tl.int32,
-                                                                              bitcast=True)
-
-
-@triton.jit
-def _sr_pair(ba, bb, x, BIAS: tl.constexpr):
-    """Stochastically rounded codes ``q + 0x8780 + (BIAS >> 15)`` (int32) of columns 2j and
-    2j + 1, from their :func:`_sr_bits` ``ba``, ``bb`` and their pair's hash input ``x`` (see
-    :func:`_pair_bits`).
-
-    No floor, clamp or conversion: ``(bits + r) >> 15 = q + 0x8780`` already lies in
-    ``[-qmax, qmax] + 0x8780`` (proof in :mod:`.rounding`)."""
-    ra, rb = _pair_bits(x)
-    return (ba + ra + BIAS) >> 15, (bb + rb + BIAS) >> 15
-
-
-@triton.jit
-def _hash_input(j, key):
-    """``x`` of :func:`_pair_bits` for pair indices ``j`` (uint32) and a row key (uint32)."""
-    return j ^ (j >> 16) ^ (key ^ (key >> 16))
-
-
-@triton.jit
 def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
     """Stochastically rounded INT8 codes of ``x [G, BS]`` (tile t; low byte = code), one hash
     per pair of columns. The bits are made in the load layout and only then split into even
@@ -231,73 +196,33 @@ def _sr_int8(x, ok, p, inv, plain, t, key, BS: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _sr_y(x, p, inv, plain):
-    """``y`` of :func:`_scaled` without the select of non-finite blocks: their values become
-    garbage (NaN bits) that :func:`_sr_words` replaces by code 0 one word at a time, which is
-    the code the reference gives them (``y = 0``, ``floor(r 2**-15) = 0``). Under the
-    interpreter numpy warns about the ``Inf * 0`` this may compute; the result is discarded."""
-    if plain:
-        y = x * inv[:, None]
-    else:
-        y = (x * p[:, None]) * inv[:, None]
-    return y
+def _nibble(w, magic_bits, K: tl.constexpr):
+    """Code in nibble K (0..4, bits 4K..4K+3) of int32 words ``w``, as exact fp32.
 
+    Flipping bit 3 of a two's complement nibble gives code + 8 (0..15). Put into the bits of
+    2**23 (``(w & mask) ^ (bits(2**23) + (8 << 4K))``: the nibble, its bit 3 flipped, OR-ed into
+    the bits of 2**23, as the mask and 2**23 share no bits), that makes the float
+    ``2**23 + (code + 8) * 16**K``; bits above 19 would reach the exponent, hence K <= 4. One
+    fused multiply-add by ``16**-K`` and a constant then yields the code: the product and the
+    result are exact, so its single rounding changes nothing. That is one LOP3 and one FFMA per
+    code, no integer-to-float conversion and no per-word flip.
 
-@triton.jit
-def _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, W: tl.constexpr, G: tl.constexpr):
-    """Stochastically rounded INT4 words from nibble-major :func:`_sr_bits` ``b_k [G, W]``
-    (``b_k[g, i]`` is column 8 (W (t G + g) + i) + k of the row): components 2m and 2m + 1 are
-    column pair 4 (W (t G + g) + i) + m, so four hashes per word. Blocks that are not ``ok``
-    get zero words (codes 0)."""
-    words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]
-    # pair 4 w + m is (4 w) ^ m (m < 4), and (4 w + m) >> 16 = (4 w) >> 16: one hash input
-    # per word, then an XOR per pair
-    x = _hash_input((words * 4).to(tl.uint32), key)
-    q0, q1 = _sr_pair(b0, b1, x, 0)
-    q2, q3 = _sr_pair(b2, b3, x ^ 1, 0)
-    q4, q5 = _sr_pair(b4, b5, x ^ 2, 0)
-    q6, q7 = _sr_pair(b6, b7, x ^ 3, 0)
-    # the sum of _pack_words in Horner form: one shift-and-add per code (written as _pack_words
-    # does it, ptxas turns (s >> 15) << 4k into a shift and a mask, then adds separately)
-    w = q7.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q6.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q5.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q4.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q3.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q2.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q1.to(tl.uint32, bitcast=True)
-    w = (w << 4) + q0.to(tl.uint32, bitcast=True)
-    w = ((w + _SR_PACK_OFFSET) ^ _FLIP_BITS_U32).to(tl.int32, bitcast=True)
-    return tl.where(ok[:, None], w, 0)
-
-
-@triton.jit
-def _nibble(wx, magic_bits, K: tl.constexpr):
-    """Code in nibble K (0..4, bits 4K..4K+3) of words ``wx = w ^ 0x88888888``, as exact fp32.
-
-    Flipping bit 3 of a two's complement nibble gives code + 8 (0..15). OR-ing it into the bits
-    of 2**23 makes the float ``2**23 + (code + 8) * 16**K``; bits above 19 would reach the
-    exponent, hence K <= 4. One fused multiply-add by ``16**-K`` and a constant then yields the
-    code: the product and the result are exact, so its single rounding changes nothing. That is
-    one LOP3 and one FFMA per code, no integer-to-float conversion.
+    ``magic_bits`` (0x4B000000) is a kernel argument, not a literal: with a literal the compiler
+    folds the constant into the immediate of a second logic instruction (the LOP3 takes one
+    immediate, the mask); with a run-time ``magic_bits + (8 << 4K)`` (computed once per program)
+    it stays one ``(w & imm) ^ reg`` per code.
     """
-    t = (wx & (0xF << (4 * K))) | magic_bits
+    t = (w & (0xF << (4 * K))) ^ (magic_bits + (8 << (4 * K)))
     return tl.fma(t.to(tl.float32, bitcast=True), 1.0 / (1 << (4 * K)),
                   -(8388608.0 / (1 << (4 * K)) + 8.0))
 
 
 @triton.jit
-def _unpack_words(w, flip_bits, magic_bits):
-    """The 8 INT4 codes of int32 words ``w`` as fp32, nibble-major: ``c_k`` is element 8i+k.
-
-    ``flip_bits`` (0x88888888) and ``magic_bits`` (0x4B000000) arrive as kernel arguments, not
-    literals: with literals the compiler folds ``(w ^ flip) & mask | magic`` back into
-    ``(w & mask) ^ (magic | bit)``, two logic instructions per code instead of one.
-    """
-    wx = w ^ flip_bits
-    v = wx >> 12  # nibbles 5..7 move to nibble positions 2..4
-    return (_nibble(wx, magic_bits, 0), _nibble(wx, magic_bits, 1), _nibble(wx, magic_bits, 2),
-            _nibble(wx, magic_bits, 3), _nibble(wx, magic_bits, 4), _nibble(v, magic_bits, 2),
+def _unpack_words(w, magic_bits):
+    """The 8 INT4 codes of int32 words ``w`` as fp32, nibble-major: ``c_k`` is element 8i+k."""
+    v = w >> 12  # nibbles 5..7 move to nibble positions 2..4
+    return (_nibble(w, magic_bits, 0), _nibble(w, magic_bits, 1), _nibble(w, magic_bits, 2),
+            _nibble(w, magic_bits, 3), _nibble(w, magic_bits, 4), _nibble(v, magic_bits, 2),
             _nibble(v, magic_bits, 3), _nibble(v, magic_bits, 4))
 
 
@@ -419,11 +344,75 @@ def _quantize_store(x, row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row, BIT
         if STOCHASTIC:
             # split after the per-element float work, as the nearest path does (_sr_int8)
             b0, b1, b2, b3, b4, b5, b6, b7 = _split8(_sr_bits(_sr_y(x, p, inv, plain)), BS, G)
-            words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok, t, key, BS // 8, G)
+            words = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok[:, None],
+                              (t * G + tl.arange(0, G))[:, None] * (BS // 8)
+                              + tl.arange(0, BS // 8)[None, :], key)
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = _split8(_codes(x, ok, p, inv, plain), BS, G)
             words = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7)
         _store_row_tile(data_ptr, words, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
+
+
+@triton.jit
+def _quantize_words(x_ptr, src, row, t, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_row,
+                    nblocks_row, QMAX_F: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                    EVEN: tl.constexpr, FAST: tl.constexpr, INTERPRET: tl.constexpr,
+                    STOCHASTIC: tl.constexpr):
+    """INT4 quantize of tile t of a row, in the layout of its words: the tile is loaded as
+    ``x[g, i, k]`` = column ``8 (W (t G + g) + i) + k`` (W = BS // 8 words per block), so a
+    thread's 8 consecutive values (the fastest dimension) are one word. Neither g nor i is
+    contiguous in memory, and Triton then gives the threads of a warp to the blocks (g)
+    first: with G = 4 blocks per warp a thread holds 4 words of one block only (one pair of
+    divisions per thread, three shuffles for the absmax). Triton still converts the words (for
+    16-byte stores) and the scales through shared memory before storing them."""
+    W: tl.constexpr = BS // 8
+    words = (t * G + tl.arange(0, G))[:, None] * W + tl.arange(0, W)[None, :]  # [G, W]
+    cols = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
+    if EVEN:
+        x = _widen(tl.load(ptrs), INTERPRET)
+    else:
+        x = _widen(tl.load(ptrs, mask=cols < n_cols, other=0.0), INTERPRET)
+    absmax = tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
+    ok, scale, p, inv, plain = _block_params(absmax, QMAX_F, FAST)
+    _store_scales(scale, row, t, scale_ptr, nblocks_row, G, EVEN)
+    inv3 = inv[:, None, None]
+    p3 = p[:, None, None]
+    if STOCHASTIC:
+        key = tl.load(keys_ptr + row).to(tl.uint32)
+        if plain:
+            y = x * inv3
+        else:
+            y = (x * p3) * inv3
+        b = tl.reshape(_sr_bits(y), (G, W, 2, 2, 2))
+        b0, b1, b2, b3, b4, b5, b6, b7 = _split_k(b)
+        vals = _sr_words(b0, b1, b2, b3, b4, b5, b6, b7, ok[:, None], words, key)
+    else:
+        if plain:
+            y = x * inv3
+        else:
+            y = (tl.where(ok[:, None, None], x, 0.0) * p3) * inv3
+        c = tl.reshape((y + _MAGIC).to(tl.int32, bitcast=True), (G, W, 2, 2, 2))
+        c0, c1, c2, c3, c4, c5, c6, c7 = _split_k(c)
+        vals = _pack_words(c0, c1, c2, c3, c4, c5, c6, c7)
+    ptrs = data_ptr + row.to(tl.int64) * (nbytes_row // 4) + words
+    if EVEN:
+        tl.store(ptrs, vals)
+    else:
+        tl.store(ptrs, vals, mask=words < nblocks_row * W)
+
+
+@triton.jit
+def _split_k(c):
+    """``c [.., .., 2, 2, 2]`` (k = 4 k2 + 2 k1 + k0) -> its 8 components c_k."""
+    e, o = tl.split(c)  # k0 = 0, 1
+    e0, e1 = tl.split(e)  # k1
+    o0, o1 = tl.split(o)
+    c0, c4 = tl.split(e0)  # k2
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
@@ -440,14 +429,18 @@ def _quantize_rows_kernel(x_ptr, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_r
         src = (row % NODES) * RANKS_PER_NODE + row // NODES
     else:
         src = row
-    cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
-    ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
-    if EVEN:
-        x = tl.load(ptrs)
+    if BITS == 4:
+        _quantize_words(x_ptr, src, row, t, data_ptr, scale_ptr, keys_ptr, n_cols, nbytes_row,
+                        nblocks_row, QMAX_F, BS, G, EVEN, FAST, INTERPRET, STOCHASTIC)
     else:
-        x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
-    _quantize_store(_widen(x, INTERPRET), row, t, data_ptr, scale_ptr, nbytes_row, nblocks_row,
-                    BITS, QMAX_F, BS, G, EVEN, FAST, keys_ptr, STOCHASTIC)
+        cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
+        ptrs = x_ptr + src.to(tl.int64) * n_cols + cols
+        if EVEN:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
+        _quantize_store(_widen(x, INTERPRET), row, t, data_ptr, scale_ptr, nbytes_row,
+                        nblocks_row, BITS, QMAX_F, BS, G, EVEN, FAST, keys_ptr, STOCHASTIC)
 
 
 @triton.jit
@@ -460,7 +453,7 @@ def _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS: tl.constexpr
 
 @triton.jit
 def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nblocks_row,
-                            flip_bits, magic_bits, ROWS_FIRST: tl.constexpr, BITS: tl.constexpr,
+                            magic_bits, ROWS_FIRST: tl.constexpr, BITS: tl.constexpr,
                             BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
                             INTERPRET: tl.constexpr):
     row, t = _row_and_tile(ROWS_FIRST)
@@ -469,7 +462,7 @@ def _dequantize_rows_kernel(data_ptr, scale_ptr, out_ptr, n_cols, nbytes_row, nb
         v = _dequantize_int8(data_ptr, row, t, nbytes_row, nblocks_row, BS, G, EVEN) * s
     else:
         w = _load_row_tile(data_ptr, row, t, nbytes_row // 4, nblocks_row, BS // 8, G, EVEN)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, magic_bits)
         v = _interleave8(c0 * s, c1 * s, c2 * s, c3 * s, c4 * s, c5 * s, c6 * s, c7 * s)
     cols = (t * G + tl.arange(0, G))[:, None] * BS + tl.arange(0, BS)[None, :]
     ptrs = out_ptr + row.to(tl.int64) * n_cols + cols
@@ -508,12 +501,12 @@ def _finish_reduce(acc, row, t, n_cols, out_data_ptr, out_scale_ptr, out_ptr, nb
 @triton.jit
 def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, out_ptr,
                               keys_ptr, rows, n_cols, nbytes_in, nblocks_in, nbytes_out,
-                              nblocks_out, flip_bits, magic_bits, ROWS_FIRST: tl.constexpr,
+                              nblocks_out, magic_bits, ROWS_FIRST: tl.constexpr,
                               P: tl.constexpr, IN_BITS: tl.constexpr, IN_BS: tl.constexpr,
                               OUT_BITS: tl.constexpr, OUT_QMAX_F: tl.constexpr,
                               OUT_BS: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
                               INTERPRET: tl.constexpr, FAST: tl.constexpr,
-                              STOCHASTIC: tl.constexpr):
+                              STOCHASTIC: tl.constexpr, OFF64: tl.constexpr):
     row, t = _row_and_tile(ROWS_FIRST)
     GI: tl.constexpr = TILE // IN_BS
     if IN_BITS == 8:
@@ -538,11 +531,31 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
         a5 = a0
         a6 = a0
         a7 = a0
+        # Piece p's row is p * rows + row: the pointers of piece 0 are made once, and each
+        # further piece adds a (uniform) stride, instead of a 64-bit row address per piece.
+        # Piece p's row is p * rows + row. Offsets are made once for piece 0 and advanced by a
+        # uniform stride per piece, in int32 unless the input has 2**31 words or scales
+        # (OFF64): no 64-bit row address per piece.
+        blocks = t * GI + tl.arange(0, GI)
+        if OFF64:
+            r0 = row.to(tl.int64)
+            nr = rows.to(tl.int64)
+        else:
+            r0 = row
+            nr = rows
+        woff = r0 * (nbytes_in // 4) + (blocks[:, None] * W + tl.arange(0, W)[None, :])
+        soff = r0 * nblocks_in + blocks
         for p in tl.static_range(P):
-            s = _load_scales(scale_ptr, p * rows + row, t, nblocks_in, GI, EVEN)[:, None]
-            w = _load_row_tile(data_ptr, p * rows + row, t, nbytes_in // 4, nblocks_in, W, GI,
-                               EVEN)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, flip_bits, magic_bits)
+            if p > 0:
+                woff += nr * (nbytes_in // 4)
+                soff += nr * nblocks_in
+            if EVEN:
+                s = tl.load(scale_ptr + soff)[:, None]
+                w = tl.load(data_ptr + woff)
+            else:
+                s = tl.load(scale_ptr + soff, mask=blocks < nblocks_in, other=0.0)[:, None]
+                w = tl.load(data_ptr + woff, mask=(blocks < nblocks_in)[:, None], other=0)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(w, magic_bits)
             # one rounding per piece (a fused multiply-add), as the reference
             a0 = tl.fma(c0, s, a0)
             a1 = tl.fma(c1, s, a1)
@@ -572,7 +585,8 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
                     _sr_bits(_sr_y(a2, pp, inv, plain)), _sr_bits(_sr_y(a3, pp, inv, plain)),
                     _sr_bits(_sr_y(a4, pp, inv, plain)), _sr_bits(_sr_y(a5, pp, inv, plain)),
                     _sr_bits(_sr_y(a6, pp, inv, plain)), _sr_bits(_sr_y(a7, pp, inv, plain)),
-                    ok, t, key, W, GI)
+                    ok[:, None],
+                    (t * GI + tl.arange(0, GI))[:, None] * W + tl.arange(0, W)[None, :], key)
             else:
                 words = _pack_words(
                     _codes(a0, ok, pp, inv, plain), _codes(a1, ok, pp, inv, plain),
@@ -651,7 +665,7 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
     if rows == 0 or nblocks == 0:
         return data, scales
     _check_row_length(n)
-    tile, num_warps, fast = _config("quantize", block_size, tuning)
+    tile, num_warps, fast = _config("quantize" if bits == 8 else "quantize4", block_size, tuning)
     grid, rows_first = _grid(rows, -(-n // tile))
     keys, stochastic = _keys_arg(row_keys, rows, src.device, scales)
     _quantize_rows_kernel[grid](
@@ -704,7 +718,7 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     grid, rows_first = _grid(rows, -(-numel // tile))
     _dequantize_rows_kernel[grid](
         _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
-        _FLIP_BITS, _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
+        _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
         G=tile // block_size, EVEN=numel % tile == 0, INTERPRET=_interpreting(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
@@ -743,11 +757,12 @@ def dequantize_reduce(
         _dequantize_reduce_kernel[grid](
             _kernel_codes(data, bits), scales.contiguous(),
             out_data if out_bits is None else _kernel_codes(out_data, out_bits), out_scales, out,
-            keys, rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out, _FLIP_BITS,
+            keys, rows, numel, nbytes_in, nblocks_in, nbytes_out, nblocks_out,
             _MAGIC23_BITS, ROWS_FIRST=rows_first, P=pieces, IN_BITS=bits, IN_BS=block_size,
             OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
             TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
-            STOCHASTIC=stochastic, num_warps=num_warps, enable_fp_fusion=False,
+            STOCHASTIC=stochastic, OFF64=max(data.numel() // 4, scales.numel()) >= _OFF32_LIMIT,
+            num_warps=num_warps, enable_fp_fusion=False,
         )
     if out_bits is None:
         return out
