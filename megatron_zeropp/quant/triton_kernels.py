@@ -307,15 +307,7 @@ def _load_scales(scale_ptr, row, t, nblocks_row, G: tl.constexpr, EVEN: tl.const
 @triton.jit
 def _split8(v, BS: tl.constexpr, G: tl.constexpr):
     """``v [G, BS]`` -> nibble-major ``c_k [G, BS // 8]``, ``c_k[g, i] = v[g, 8 i + k]``."""
-    c = tl.reshape(v, (G, BS // 8, 2, 2, 2))  # [g, i, k2, k1, k0], k = 4 k2 + 2 k1 + k0
-    e, o = tl.split(c)  # k0 = 0, 1
-    e0, e1 = tl.split(e)  # k1
-    o0, o1 = tl.split(o)
-    c0, c4 = tl.split(e0)  # k2
-    c2, c6 = tl.split(e1)
-    c1, c5 = tl.split(o0)
-    c3, c7 = tl.split(o1)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+    return _split_k(tl.reshape(v, (G, BS // 8, 2, 2, 2)))  # [g, i, k2, k1, k0]
 
 
 @triton.jit
