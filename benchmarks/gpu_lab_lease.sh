@@ -8,10 +8,13 @@
 # With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
 # one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
 # at micro-batch size 4 and checks.txt says so.
+# The jobs' ranks share the GPU through a CUDA MPS daemon started here (benchmarks/_mps.sh: 0.58x
+# the seconds per iteration, the same logged losses); MPS=0 leaves them time-slicing. The daemon
+# stays for the later calls of the lease and goes with the machine.
 #
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
-# Usage: [CHECKS=1] [MBS=8] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
+# Usage: [CHECKS=1] [MBS=8] [MPS=1] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
@@ -24,6 +27,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$OUT/gpu.txt"
 mkdir -p /tmp/lab_data && tar xJf runs/lab_data.tar.xz -C /tmp/lab_data || exit 1
+if [ "${MPS:-1}" = 1 ]; then
+    # shellcheck source=benchmarks/_mps.sh
+    . benchmarks/_mps.sh
+    mps_start >> "$OUT/gpu.txt"  # not in a pipe: its exports reach the queue runner
+fi
 if [ "${CHECKS:-0}" = 1 ]; then
     mkdir -p /tmp/checks
     if python3 benchmarks/lab_profile.py --out /tmp/checks/lab_speed_mbs"${MBS:-8}".json \

@@ -6,7 +6,8 @@ shared transport) on the Debian prose corpus (``tools/build_debian_corpus.py``),
 finish inside one lease (no checkpoint survives a lease: only small result files come back).
 A finished job becomes one line of the study's results file in the repo
 (``docs/lab_study/results.jsonl``): configuration, seed, flags, commit, training loss every 10
-iterations, validation losses, the final validation loss, median ms per iteration. Jobs already
+iterations, validation losses, the final validation loss, median ms per iteration and how the ranks
+shared the GPU (an MPS daemon or time-slicing, :func:`gpu_sharing`). Jobs already
 in the file are skipped, so a later lease or session runs only what is missing::
 
     # on the device (a job outlives the call: setsid), then poll in later calls of the lease;
@@ -163,12 +164,22 @@ def _write_ledger(run_dir: str, ledger: Dict[str, dict]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def gpu_sharing() -> str:
+    """How the lab's ranks share the GPU: ``mps`` while a CUDA MPS control daemon listens on
+    the pipe directory CUDA clients use (``$CUDA_MPS_PIPE_DIRECTORY``, default
+    ``/tmp/nvidia-mps``), else ``time-slicing`` (each rank its own context). It changes the
+    speed, not what is computed (docs/benchmarks.md: the same logged losses either way)."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return "mps" if os.path.exists(os.path.join(pipe_dir, "control")) else "time-slicing"
+
+
 def _launch(entry: dict) -> subprocess.Popen:
     """Start one job's lab (four ranks under torchrun), its output in the job's train.log."""
     cmd = lab_command(NODES, RANKS_PER_NODE, entry["flags"], python=sys.executable,
                       master_port=_free_port())
     env = dict(os.environ, **COMMON_ENV, PYTHONUNBUFFERED="1")
     entry["cmd"] = shlex.join(cmd)
+    entry["gpu_sharing"] = gpu_sharing()
     with open(os.path.join(entry["dir"], "train.log"), "w") as log:
         # its own session: the job outlives the call that started it
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -276,6 +287,7 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
             "micro_batch_size": entry.get("micro_batch_size", study.micro_batch_size),
             "global_batch_size": study.global_batch_size, "commit": entry["commit"],
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+            "gpu_sharing": entry.get("gpu_sharing"),
             "corpus": corpus, "loss_every_10": loss, "val_loss": [list(v) for v in h["val_loss"]],
             "final_val_loss": final, "last_iteration": h["iterations"][-1] if h["iterations"]
             else 0, "ms_median": statistics.median(ms) if ms else None}

@@ -152,3 +152,10 @@ def test_table_refuses_mixed_micro_batch_sizes(tmp_path):
     rows[1]["micro_batch_size"] = 2  # control: one size is a table
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert S.main(["table", "--results", str(results), "--study", "smoke"]) == 0
+
+
+def test_gpu_sharing_names_an_mps_daemon_only_while_its_pipe_is_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert S.gpu_sharing() == "time-slicing"
+    (tmp_path / "control").write_text("")
+    assert S.gpu_sharing() == "mps"

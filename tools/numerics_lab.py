@@ -16,7 +16,10 @@ Each rank runs the layer exactly as on a cluster of ``--nodes`` nodes of
 
 Everything after ``--`` goes to pretrain_gpt.py unchanged. ``--dry-run`` prints the command.
 Without a GPU the same command runs on CPU (the same transports over CPU tensors and shared memory:
-how they are tested).
+how they are tested). On a GPU, start a CUDA MPS control daemon first
+(``nvidia-cuda-mps-control -d``; ``benchmarks/_mps.sh``): the ranks' kernels then run side by
+side instead of time-slicing the GPU, 0.56-0.58x the seconds per 125M iteration with the same
+losses (docs/benchmarks.md, "Numerics lab speed").
 Memory per rank on the GPU: the CUDA context (~0.5 GB) + the full gradient buffer (4 bytes per
 parameter with fp32 accumulation; 4/Z with --zeropp-shard-grads) + one unit's gathered weights +
 the primary shard, the hpZ secondary and the optimizer state (2/Z + 2/N + 16/Z bytes per
