@@ -8,7 +8,9 @@ node size, nothing is inferred from the hardware.
 Workers are forked from a forkserver that has already imported torch and megatron-core, so a
 process costs tens of milliseconds instead of seconds. A rank that raises makes the whole run fail
 with its traceback; a run that does not finish within ``timeout`` seconds (a hung collective) is
-killed and raises :class:`DistributedTimeout`, so CI never hangs.
+killed and raises :class:`DistributedTimeout`, so CI never hangs; before the kill each rank still
+running writes the Python stacks of all its threads, which the exception carries (where a rank
+hung, also inside C: the dump is faulthandler's, from a signal).
 
 Usage::
 
@@ -27,6 +29,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -37,6 +40,8 @@ from .topology import Topology, build_topology
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state"]
 _CTX = None
+_STACKS_SIGNAL = signal.SIGUSR2
+"""Sent to the ranks still running at the timeout: each dumps its threads' stacks to a file."""
 
 
 def _context():
@@ -95,6 +100,11 @@ def _worker(fn, args, kwargs, rank, world, nodes, rpn, store_path, scratch, time
         # Its own process group, so that cleanup also reaches what it started (megatron-core's
         # checkpoint writer forks per file and keeps a manager process).
         os.setpgid(0, 0)
+        import faulthandler
+
+        # Kept open for the process's life: faulthandler writes from the signal handler.
+        stacks = open(_stacks_path(os.path.dirname(store_path), rank), "w")
+        faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)
         os.environ.update(env)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import warnings
@@ -179,7 +189,7 @@ def run_distributed(
         for p in procs:
             p.start()
         try:
-            return _collect(procs, q, world, timeout)
+            return _collect(procs, q, world, timeout, tmp)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -188,6 +198,31 @@ def run_distributed(
                 p.join(timeout=10)
                 _kill_group(p.pid)
             q.close()
+
+
+def _stacks_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"stacks.rank{rank}")
+
+
+def _dump_stacks(procs, ranks: Sequence[int], run_dir: str) -> str:
+    """The Python stacks of ``ranks``, each dumped by the rank itself on a signal (the ones that
+    have exited or do not answer within a few seconds are named as such)."""
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, _STACKS_SIGNAL)
+            except ProcessLookupError:
+                pass
+    time.sleep(2.0)
+    parts = []
+    for r in ranks:
+        try:
+            with open(_stacks_path(run_dir, r)) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        parts.append(f"--- rank {r} ---\n{text or '(no stacks: the rank did not answer)'}")
+    return "\n".join(parts)
 
 
 def _kill_group(pid: int) -> None:
@@ -200,7 +235,7 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _collect(procs, q, world, timeout) -> List[Any]:
+def _collect(procs, q, world, timeout, run_dir) -> List[Any]:
     deadline = time.monotonic() + timeout
     results: Dict[int, Any] = {}
     errors: Dict[int, str] = {}
@@ -240,6 +275,7 @@ def _collect(procs, q, world, timeout) -> List[Any]:
     if len(results) < world:
         missing = sorted(set(range(world)) - set(results))
         raise DistributedTimeout(
-            f"ranks {missing} did not finish within {timeout:.0f}s (hung collective?)"
+            f"ranks {missing} did not finish within {timeout:.0f}s (hung collective?); "
+            f"their stacks:\n{_dump_stacks(procs, missing, run_dir)}"
         )
     return [results[r] for r in range(world)]

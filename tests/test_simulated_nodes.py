@@ -56,9 +56,29 @@ def _sleep_forever(ctx):
     time.sleep(600)
 
 
+def _stuck_in_a_named_function(ctx):
+    if ctx.rank == 1:
+        _rank_one_waits_here()
+    time.sleep(600)
+
+
+def _rank_one_waits_here():
+    time.sleep(600)  # blocked in C (the sleep), where only a signal-time dump sees it
+
+
 def test_a_stuck_run_is_killed_at_the_timeout():
     with pytest.raises(DistributedTimeout, match=r"ranks \[0, 1\] did not finish"):
         run_distributed(_sleep_forever, 1, 2, timeout=3)
+
+
+def test_a_stuck_run_reports_where_each_rank_waits():
+    with pytest.raises(DistributedTimeout) as e:
+        run_distributed(_stuck_in_a_named_function, 1, 2, timeout=3)
+    text = str(e.value)
+    one = text[text.index("--- rank 1 ---"):]
+    zero = text[text.index("--- rank 0 ---"):text.index("--- rank 1 ---")]
+    assert "_rank_one_waits_here" in one and "_stuck_in_a_named_function" in one
+    assert "_stuck_in_a_named_function" in zero and "_rank_one_waits_here" not in zero
 
 
 def _check_groups(ctx, tp):
