@@ -227,8 +227,6 @@ def _dump_stacks(procs, ranks: Sequence[int], run_dir: str) -> str:
 
 def _kill_group(pid: int) -> None:
     """Kill what is left of a worker's process group (children of a worker that was killed)."""
-    import signal
-
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
