@@ -366,6 +366,23 @@ def as_results(records: Sequence[dict]) -> Dict[str, dict]:
     return out
 
 
+def device_notes(records: Sequence[dict]) -> List[str]:
+    """Which GPU models the jobs ran on, where more than one did, and the seeds whose jobs
+    did not all run on the same model: the device tool gives an H100 or an H200, and their
+    paired gaps then also carry whatever differs between the two (not measured)."""
+    devices = sorted({r.get("device") or "?" for r in records})
+    if len(devices) < 2:
+        return []
+    jobs = {d: [f"{r['config']}@{r['seed']}" for r in records
+                if (r.get("device") or "?") == d] for d in devices}
+    lines = ["GPU models: " + "; ".join(f"{d}: {', '.join(j)}" for d, j in jobs.items())]
+    for seed in sorted({r["seed"] for r in records}):
+        models = sorted({r.get("device") or "?" for r in records if r["seed"] == seed})
+        if len(models) > 1:
+            lines.append(f"seed {seed}: its jobs ran on {' and '.join(models)}")
+    return lines + [""]
+
+
 def table(args) -> int:
     records = [r for r in read_results(args.results).values() if r["study"] == args.study]
     if not records:
@@ -383,6 +400,8 @@ def table(args) -> int:
     summ = L.summary(results, seeds, at=iters)
     print(f"study {args.study}: {len(records)} finished job(s), final validation loss at "
           f"iteration {iters}, seeds {seeds}\n")
+    for line in device_notes(records):
+        print(line)
     print(L.table(summ))
     if args.plot:
         L.plot(results, args.plot)

@@ -159,3 +159,14 @@ def test_gpu_sharing_names_an_mps_daemon_only_while_its_pipe_is_there(tmp_path, 
     assert S.gpu_sharing() == "time-slicing"
     (tmp_path / "control").write_text("")
     assert S.gpu_sharing() == "mps"
+
+
+def test_table_names_seeds_whose_jobs_ran_on_two_gpu_models():
+    rows = [{"config": c, "seed": s, "device": d} for c, s, d in (
+        ("zero3", 1234, "NVIDIA H200"), ("all3", 1234, "NVIDIA H100 80GB HBM3"),
+        ("zero3", 1235, "NVIDIA H200"), ("all3", 1235, "NVIDIA H200"))]
+    notes = S.device_notes(rows)
+    assert notes[0] == ("GPU models: NVIDIA H100 80GB HBM3: all3@1234; NVIDIA H200: "
+                        "zero3@1234, zero3@1235, all3@1235")
+    assert notes[1:] == ["seed 1234: its jobs ran on NVIDIA H100 80GB HBM3 and NVIDIA H200", ""]
+    assert S.device_notes(rows[2:]) == []  # control: one model, nothing to say
