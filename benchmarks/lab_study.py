@@ -370,14 +370,15 @@ def device_notes(records: Sequence[dict]) -> List[str]:
     """Which GPU models the jobs ran on, where more than one did, and the seeds whose jobs
     did not all run on the same model: the device tool gives an H100 or an H200, and their
     paired gaps then also carry whatever differs between the two (not measured)."""
-    devices = sorted({r.get("device") or "?" for r in records})
+    model = [r.get("device") or "?" for r in records]
+    devices = sorted(set(model))
     if len(devices) < 2:
         return []
-    jobs = {d: [f"{r['config']}@{r['seed']}" for r in records
-                if (r.get("device") or "?") == d] for d in devices}
+    jobs = {d: [f"{r['config']}@{r['seed']}" for r, m in zip(records, model) if m == d]
+            for d in devices}
     lines = ["GPU models: " + "; ".join(f"{d}: {', '.join(j)}" for d, j in jobs.items())]
     for seed in sorted({r["seed"] for r in records}):
-        models = sorted({r.get("device") or "?" for r in records if r["seed"] == seed})
+        models = sorted({m for r, m in zip(records, model) if r["seed"] == seed})
         if len(models) > 1:
             lines.append(f"seed {seed}: its jobs ran on {' and '.join(models)}")
     return lines + [""]
