@@ -240,7 +240,7 @@ def plot(results: Dict[str, dict], path: str) -> None:
             continue
         vals = [[seeds[s][it] for s in seeds] for it in its]
         ax_loss.plot(its, [statistics.fmean(v) for v in vals], color=color, marker="o",
-                     label=f"{config} ({len(seeds)} seeds)")
+                     label=f"{config} ({len(seeds)} seed{'s' * (len(seeds) != 1)})")
         ax_loss.fill_between(its, [min(v) for v in vals], [max(v) for v in vals], color=color,
                              alpha=0.15)
         if config == "zero3":
@@ -259,7 +259,7 @@ def plot(results: Dict[str, dict], path: str) -> None:
             ax_gap.errorbar([it + 2 * (i - len(by_config) / 2) for it in its],
                             [statistics.fmean(gaps[it]) for it in its], yerr=se, color=color,
                             marker="o", capsize=3, linewidth=1,
-                            label=f"{config} ({len(seeds)} seeds)")
+                            label=f"{config} ({len(seeds)} seed{'s' * (len(seeds) != 1)})")
     ax_loss.set_xlabel("iteration")
     ax_loss.set_ylabel("validation loss")
     ax_loss.legend(fontsize=8)
