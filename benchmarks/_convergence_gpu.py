@@ -218,8 +218,8 @@ def _qgz_errors(path: str) -> List[dict]:
 
 def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
     """Curves of each configuration from its accumulated log (a resumed iteration's later line
-    wins): ``iterations, loss, grad_norm, ms, val_loss [(it, loss)], final_val_loss,
-    qgz_error``."""
+    wins): ``iterations, loss, grad_norm, ms, time (the lines' stamps, POSIX seconds, or None),
+    val_loss [(it, loss)], final_val_loss, qgz_error``."""
     out = {}
     for name in names:
         path = os.path.join(run_dir, name, "train.log")
@@ -243,6 +243,7 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
             "loss": [its[i]["loss"] for i in order],
             "grad_norm": [its[i].get("grad_norm") for i in order],
             "ms": [its[i].get("ms") for i in order],
+            "time": [its[i].get("time") for i in order],
             "val_loss": sorted(vals.items()),
             "final_val_loss": sorted(finals.items()),
             "qgz_error": _qgz_errors(os.path.join(run_dir, name, "qgz_error.jsonl")),

@@ -9,11 +9,13 @@ memory report (``memory (MB) | allocated: ... | max allocated: ...``) is read as
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from typing import Dict, Iterable, List, Optional
 
 _ITERATION = re.compile(r"(?:^|[\s\]])iteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
+_STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(\.\d+)?\]\s*iteration\s")
 _MEMORY = re.compile(r"memory \(MB\)\s*\|(.*)$")
 
 # Field names in the log line -> short keys used by the benchmarks.
@@ -53,12 +55,18 @@ def _fields(rest: str) -> Dict[str, float]:
 
 
 def parse_iteration_line(line: str) -> Optional[dict]:
-    """``{"iteration", "train_iters", "ms", "loss", ...}`` for a training line, else None."""
+    """``{"iteration", "train_iters", "ms", "loss", ...}`` for a training line, else None; with
+    ``"time"`` (POSIX seconds, the stamp read as the machine's local time) where the line has a
+    ``[YYYY-MM-DD HH:MM:SS(.ffffff)]`` stamp."""
     m = _ITERATION.search(line.rstrip("\n"))
     if m is None:
         return None
     out = {"iteration": int(m.group(1)), "train_iters": int(m.group(2))}
     out.update(_fields(m.group(3)))
+    stamp = _STAMP.search(line)
+    if stamp is not None:
+        t = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+        out["time"] = t + float(stamp.group(2) or 0.0)
     return out
 
 

@@ -274,10 +274,33 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def timeline(started: float, h: dict, log_mtime: float) -> Optional[dict]:
+    """Where a job's wall clock went, in seconds, from its launch time and its log (the lines'
+    stamps and intervals, :func:`_convergence_gpu.collect`): ``startup`` (launch to the first
+    line, less that line's iterations at its mean time), ``iterations`` (the logged iteration
+    times after the first line), ``between_lines`` (the rest of the time between the first and
+    the last line: validation, logging), ``after_last_line`` (to the log's last write: the
+    final validation and the exit). None without stamped lines."""
+    rows = [(i, m, t) for i, m, t in zip(h["iterations"], h["ms"], h["time"])
+            if m is not None and t is not None]
+    if not rows:
+        return None
+    (i0, m0, t0), (_, _, t_last) = rows[0], rows[-1]
+    trained = sum((i - ip) * m / 1000 for (ip, _, _), (i, m, _) in zip(rows, rows[1:]))
+    return {"startup": round(t0 - started - i0 * m0 / 1000, 1),
+            "iterations": round(trained, 1),
+            "between_lines": round(t_last - t0 - trained, 1),
+            "after_last_line": round(log_mtime - t_last, 1)}
+
+
 def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -> dict:
-    """What a job's log says: curves, validation losses, the final one, ms per iteration."""
+    """What a job's log says: curves, validation losses, the final one, ms per iteration,
+    and where its wall clock went (:func:`timeline`)."""
     name = os.path.basename(entry["dir"])
     h = G.collect(os.path.dirname(entry["dir"]), [name])[name]
+    log = os.path.join(entry["dir"], "train.log")
+    wall = (timeline(entry["started"], h, os.path.getmtime(log))
+            if entry.get("started") and os.path.exists(log) else None)
     loss = [[i, v] for i, v in zip(h["iterations"], h["loss"]) if i % 10 == 0]
     ms = [m for m in h["ms"] if m]
     final = h["final_val_loss"][-1][1] if h["final_val_loss"] else None
@@ -290,7 +313,7 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
             "gpu_sharing": entry.get("gpu_sharing"),
             "corpus": corpus, "loss_every_10": loss, "val_loss": [list(v) for v in h["val_loss"]],
             "final_val_loss": final, "last_iteration": h["iterations"][-1] if h["iterations"]
-            else 0, "ms_median": statistics.median(ms) if ms else None}
+            else 0, "ms_median": statistics.median(ms) if ms else None, "seconds": wall}
 
 
 def poll(args) -> int:
@@ -311,7 +334,8 @@ def poll(args) -> int:
         state = "finished" if finished else ("running" if alive else "failed")
         status[key] = {"state": state, "iteration": rec["last_iteration"],
                        "ms_median": rec["ms_median"],
-                       "minutes": round((time.time() - entry["started"]) / 60, 1)}
+                       "minutes": round((time.time() - entry["started"]) / 60, 1),
+                       "seconds": rec["seconds"]}
         (records if finished else partial).append(rec)
     for name, rows in (("records.jsonl", records), ("partial.jsonl", partial)):
         with open(os.path.join(args.out, name), "w") as f:

@@ -41,6 +41,13 @@ def test_megatron_line_with_timestamp_and_prefixes():
     assert parse_iteration_line(MEGATRON.replace("[2026-11-30 14:00:07] ", ""))["loss"] == 9.547771
 
 
+def test_line_stamps_become_seconds():
+    """Megatron-LM's stamp (and ours, with microseconds) as POSIX seconds; none without one."""
+    later = MEGATRON.replace("[2026-11-30 14:00:07]", "[2026-11-30 14:01:09.250000]")
+    assert parse_iteration_line(later)["time"] - parse_iteration_line(MEGATRON)["time"] == 62.25
+    assert "time" not in parse_iteration_line(OURS)
+
+
 def test_other_lines_are_not_iterations():
     for line in (" validation loss at iteration 10 | lm loss value: 9.1E+00 | lm loss PPL: 1E+4 |",
                  "> saved checkpoint of iteration 4 to /tmp/x", "  train_iters ......... 12",

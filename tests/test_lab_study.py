@@ -170,3 +170,29 @@ def test_table_names_seeds_whose_jobs_ran_on_two_gpu_models():
                         "zero3@1234, zero3@1235, all3@1235")
     assert notes[1:] == ["seed 1234: its jobs ran on NVIDIA H100 80GB HBM3 and NVIDIA H200", ""]
     assert S.device_notes(rows[2:]) == []  # control: one model, nothing to say
+
+
+def test_timeline_splits_a_jobs_wall_clock():
+    """Launch at 1000 s; lines at iterations 10, 20, 30 stamped 13, 15.5 and 18 s later, logging
+    300, 200 and 200 ms per iteration; the log last written 7 s after the last line."""
+    h = {"iterations": [10, 20, 30], "ms": [300.0, 200.0, 200.0],
+         "time": [1013.0, 1015.5, 1018.0]}
+    assert S.timeline(1000.0, h, 1025.0) == {"startup": 10.0, "iterations": 4.0,
+                                             "between_lines": 1.0, "after_last_line": 7.0}
+    assert S.timeline(1000.0, dict(h, time=[None] * 3), 1025.0) is None  # lines without stamps
+
+
+def test_job_record_reads_the_stamps_of_its_log(tmp_path):
+    entry = _fake_job(tmp_path, "zero3", 1234, 4.0)
+    log = os.path.join(entry["dir"], "train.log")
+    text = open(log).read().replace("[2026-12-02 08:00:00] iteration       20",
+                                    "[2026-12-02 08:00:06.500000] iteration       20")
+    open(log, "w").write(text)
+    first = S.G.collect(os.path.dirname(entry["dir"]), [os.path.basename(entry["dir"])])
+    t1 = first[os.path.basename(entry["dir"])]["time"][0]  # iteration 1, 08:00:00
+    os.utime(log, (t1 + 10.0, t1 + 10.0))
+    rec = S.job_record(dict(entry, started=t1 - 5.3), "k", S.SMOKE, {}, "cpu")
+    # launch 5.3 s before the first line (1 iteration at 300 ms): 5.0 s of startup; lines 10 and
+    # 20 add 9 + 10 iterations at 300 ms = 5.7 s of the 6.5 s between the stamps of 1 and 20
+    assert rec["seconds"] == {"startup": 5.0, "iterations": 5.7, "between_lines": 0.8,
+                              "after_last_line": 3.5}
