@@ -1,0 +1,146 @@
+"""The INT4 kernels of issue 34 item 5 over tile shapes, on one GPU: elements per program and
+warps, with round-to-nearest and stochastic rounding, as ``bench_rounding.py`` times them.
+
+Launch (on a CUDA machine; megatron-core is not needed)::
+
+    PYTHONPATH=$PWD python benchmarks/sweep_int4_tiles.py --json out.json
+
+Why: the static SASS counts (``sass_counts.py``) of the INT4 swizzled quantize fall from 19.6
+to 15.7 instructions per element from 32 to 64 elements per thread (1024 elements on one warp
+against 2048), as the per-thread work (block parameters with two IEEE divisions, the absmax's
+trip through shared memory, addressing) is shared by twice the elements; the kernel is bound by
+issue with stochastic rounding. Registers rise from 61 to 96 (no spills). Only a measurement
+says whether the lower occupancy costs more than that. Every output of every shape is compared
+bit for bit with the default shape's, whose own output is compared with the reference
+(``qgz_reference``); the tile shape must not change a bit. Rows go to ``--json`` as they come,
+so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_kernels  # noqa: E402
+from bench_kernels import BS, assert_same, bench, copy_bandwidth, quant_bytes, random_input  # noqa: E402,E501
+
+from megatron_zeropp.quant import qgz_reference as qref  # noqa: E402
+from megatron_zeropp.quant import reference as ref  # noqa: E402
+from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
+from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
+
+# (elements per program, warps); None: the default of triton_kernels._CONFIG, first
+SHAPES = {"quantize4": [None, (2048, 1), (4096, 2), (4096, 1), (2048, 2), (8192, 4)],
+          "reduce": [None, (4096, 2), (4096, 4), (8192, 4), (1024, 1), (2048, 1)]}
+
+
+def _tuning(shape):
+    return {} if shape is None else {"tile": shape[0], "num_warps": shape[1]}
+
+
+def run(numel: int, json_path=None) -> dict:
+    device = bench_kernels.DEVICE
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
+           "numel": numel, "defaults": {k: list(tk._CONFIG[k]) for k in SHAPES},
+           "copy_GB/s": copy_bandwidth(2 * numel), "rows": []}
+
+    def add(kernel, rounding, shape, moved, fn, check):
+        ms = bench(fn)
+        gbs = moved / ms / 1e6
+        row = {"kernel": kernel, "rounding": rounding,
+               "tile": None if shape is None else shape[0],
+               "num_warps": None if shape is None else shape[1], "ms": ms, "GB/s": gbs,
+               "of_copy": gbs / out["copy_GB/s"], "check": check}
+        out["rows"].append(row)
+        label = "default" if shape is None else f"{shape[0]}/{shape[1]}"
+        print(f"{kernel:10s} {rounding:10s} {label:>9s} {ms:8.3f} ms {gbs:6.0f} GB/s "
+              f"{row['of_copy']:6.1%}  {check}", flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(out, f, indent=1)
+
+    key = derive_key(1234, 7, 0, 3)
+    x = random_input(numel, torch.bfloat16, seed=1)
+    kz = row_keys(key, range(8), device=device)
+    moved = quant_bytes(numel, 4, 2)
+    expect = {}
+    for shape in SHAPES["quantize4"]:
+        for rounding, keys in (("nearest", None), ("stochastic", kz)):
+            fn = partial(tk.swizzled_quantize, x, 2, 4, 4, BS, row_keys=keys, **_tuning(shape))
+            try:
+                got = fn()
+            except Exception as exc:  # a shape that does not compile is reported, not fatal
+                print(f"quantize4 {rounding} {shape}: {exc!r}"[:300], flush=True)
+                continue
+            if shape is None:
+                if keys is not None:
+                    assert_same(got, qref.swizzled_quantize(x, 2, 4, 4, BS, kz), "reference")
+                expect[rounding] = got
+                check = "reference" if keys is not None else "-"
+            else:
+                assert_same(got, expect[rounding], f"quantize4 {rounding} {shape}")
+                check = "= default"
+            del got
+            add("quantize4", rounding, shape, moved, fn, check)
+    del x, expect
+
+    pieces = 8
+    parts = [tk.quantize_chunks(random_input(numel, torch.bfloat16, seed=10 + p).view(1, -1), 4,
+                                BS) for p in range(pieces)]
+    data = torch.stack([d for d, _ in parts])
+    scales = torch.stack([s for _, s in parts])
+    del parts
+    nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
+    moved = (pieces + 1) * (nbytes + 4 * nblocks)
+    k1 = row_keys(key, [0], device=device)
+    expect = {}
+    for shape in SHAPES["reduce"]:
+        for rounding, keys in (("nearest", None), ("stochastic", k1)):
+            fn = partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4, out_row_keys=keys,
+                         **_tuning(shape))
+            try:
+                got = fn()
+            except Exception as exc:
+                print(f"reduce {rounding} {shape}: {exc!r}"[:300], flush=True)
+                continue
+            if shape is None:
+                if keys is not None:
+                    assert_same(got, qref.dequantize_reduce(data, scales, 4, BS, numel, 4,
+                                                            out_row_keys=k1), "reference")
+                expect[rounding] = got
+                check = "reference" if keys is not None else "-"
+            else:
+                assert_same(got, expect[rounding], f"reduce {rounding} {shape}")
+                check = "= default"
+            del got
+            add("reduce", rounding, shape, moved, fn, check)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=2**28)
+    parser.add_argument("--json", help="write the numbers here (after every row)")
+    parser.add_argument("--smoke-cpu", action="store_true",
+                        help="test this script on CPU tensors (needs TRITON_INTERPRET=1, tiny "
+                             "--numel); the numbers mean nothing")
+    args = parser.parse_args()
+    if args.smoke_cpu:
+        bench_kernels.DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    out = run(args.numel, args.json)
+    print(f"copy bandwidth {out['copy_GB/s']:.0f} GB/s on {out['device']}")
+
+
+if __name__ == "__main__":
+    main()
