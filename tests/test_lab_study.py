@@ -196,3 +196,30 @@ def test_job_record_reads_the_stamps_of_its_log(tmp_path):
     # 20 add 9 + 10 iterations at 300 ms = 5.7 s of the 6.5 s between the stamps of 1 and 20
     assert rec["seconds"] == {"startup": 5.0, "iterations": 5.7, "between_lines": 0.8,
                               "after_last_line": 3.5}
+
+
+def _summary(finals):
+    """convergence_lab.summary of {(config, seed): final validation loss}."""
+    results = {f"{c}@seed{s}": {"val_loss": [[100, v]], "iterations": [100]}
+               for (c, s), v in finals.items()}
+    return S.L.summary(results, sorted({s for _, s in finals}), at=100)
+
+
+def test_targets_met_missed_and_open():
+    study = S.Study("125m", 100, (1, 2, 3), ("zero3", "all3", "qwz+hpz"), micro_batch_size=8)
+    zero3 = {("zero3", 1): 3.00, ("zero3", 2): 3.06, ("zero3", 3): 3.03}
+    met = {**zero3, **{("all3", s): 1.002 * v for (_, s), v in zero3.items()},
+           ("qwz+hpz", 1): 3.01, ("qwz+hpz", 2): 3.05, ("qwz+hpz", 3): 3.02}
+    lines = S.targets(_summary(met), study)
+    assert lines[0] == "target all3 <= +0.25 %: +0.200 % +- 0.000: met"
+    assert lines[1].endswith("[3.0000, 3.0600]: mean 3.0267: met")
+    # all3 +0.3 % on every seed; qwz+hpz below ZeRO-3's lowest seed
+    missed = {**met, **{("all3", s): 1.003 * v for (_, s), v in zero3.items()},
+              **{("qwz+hpz", s): 2.9 for s in (1, 2, 3)}}
+    lines = S.targets(_summary(missed), study)
+    assert lines[0].endswith(": MISSED") and lines[1].endswith("mean 2.9000: MISSED")
+    # two of three seeds: both open, whatever the numbers
+    partial = {k: v for k, v in missed.items() if k[1] != 3}
+    lines = S.targets(_summary(partial), study)
+    assert lines == ["target all3 <= +0.25 %: +0.300 % +- 0.000: open (2 of 3 seeds)",
+                     "target qwz+hpz inside zero3's seed band: open (2 of 3 seeds)"]
