@@ -54,6 +54,21 @@ def test_training_is_deterministic(sp_model, tmp_path):
     assert vocab(other) != vocab(sp_model)  # the comparison above can fail
 
 
+def test_sampled_training_is_deterministic_by_its_seed(tmp_path):
+    """With max_sentences below the sentences there are, SentencePiece trains on a sample: the
+    same seed draws the same one, another seed another (the control)."""
+    def vocab(name, seed):
+        model = train_sentencepiece(
+            _topics(), str(tmp_path / name),
+            TokenizerTrainingConfig(vocab_size=1000, max_sentences=500, sampling_seed=seed))
+        with open(model.removesuffix(".model") + ".vocab", encoding="utf-8") as f:
+            return f.read()
+
+    first = vocab("a", 1234)
+    assert vocab("b", 1234) == first
+    assert vocab("c", 99) != first
+
+
 def test_unigram_trains_too(tmp_path):
     model = train_sentencepiece(
         _topics()[:10], str(tmp_path / "uni"),

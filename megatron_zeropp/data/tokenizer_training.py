@@ -11,6 +11,7 @@ SentencePiece reads sentences, one per line; each non-empty line of a document i
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -26,9 +27,13 @@ class TokenizerTrainingConfig:
     character_coverage: float = 0.9995
     """Fraction of characters covered by ordinary pieces; the rare rest falls back to bytes."""
     max_sentences: int = 0
-    """Train on at most this many sentences (sampled by SentencePiece); 0 means all of them."""
+    """Train on at most this many sentences (a uniform sample); 0 means all of them."""
     num_threads: int = 2
     """SentencePiece trainer threads."""
+    sampling_seed: int = 1234
+    """Seed of the sample of ``max_sentences`` sentences, drawn here: SentencePiece's own
+    sampling draws another sample, and so another model, in every process (0.2.x; its
+    ``set_random_generator_seed`` did not change that)."""
 
     def __post_init__(self) -> None:
         if self.model_type not in ("bpe", "unigram"):
@@ -40,6 +45,8 @@ class TokenizerTrainingConfig:
             )
         if not 0.0 < self.character_coverage <= 1.0:
             raise ValueError(f"character_coverage must be in (0, 1], got {self.character_coverage}")
+        if not 0 <= self.sampling_seed < 2**32:
+            raise ValueError(f"sampling_seed must be in [0, 2**32), got {self.sampling_seed}")
         if self.max_sentences < 0 or self.num_threads < 1:
             raise ValueError(
                 f"need max_sentences >= 0 and num_threads >= 1, got "
@@ -54,17 +61,36 @@ def _sentences(documents: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
+def _sample(sentences: Iterator[str], size: int, seed: int) -> Iterator[str]:
+    """At most ``size`` of ``sentences``, uniformly (reservoir sampling from ``seed``), in the
+    order they came."""
+    rng = random.Random(seed)
+    kept: list = []
+    for i, sentence in enumerate(sentences):
+        if i < size:
+            kept.append((i, sentence))
+        else:
+            j = rng.randrange(i + 1)
+            if j < size:
+                kept[j] = (i, sentence)
+    kept.sort()
+    return iter([sentence for _, sentence in kept])
+
+
 def train_sentencepiece(
     documents: Iterable[str], model_prefix: str, config: TokenizerTrainingConfig
 ) -> str:
     """Train on ``documents``, write ``{model_prefix}.model`` and ``.vocab``, return the model path.
 
     Deterministic: the same documents and config give the same pieces and scores (the ``.vocab``
-    file; the ``.model`` file also records the prefix). No sampling unless ``max_sentences`` is set.
+    file; the ``.model`` file also records the prefix), with ``max_sentences`` too (its sample is
+    drawn here from ``sampling_seed``). No sampling unless ``max_sentences`` is set.
     """
     import sentencepiece
 
     sentences = _sentences(documents)
+    if config.max_sentences:
+        sentences = _sample(sentences, config.max_sentences, config.sampling_seed)
     first = next(sentences, None)
     if first is None:
         raise ValueError("no non-empty text to train the tokenizer on")
@@ -89,8 +115,6 @@ def train_sentencepiece(
         split_digits=True,
         minloglevel=2,
     )
-    if config.max_sentences:
-        options.update(input_sentence_size=config.max_sentences, shuffle_input_sentence=True)
     try:
         sentencepiece.SentencePieceTrainer.train(**options)
     except RuntimeError as error:
