@@ -3,14 +3,17 @@
 The seeded study needs tens of millions of tokens of natural-language text that no one here
 wrote; neither PyPI nor Debian ships a web or book corpus of that size (searched: Gutenberg,
 Wikipedia/wikitext, TinyStories, BookCorpus, OpenWebText, enwik, PG-19 names find only
-downloaders). The largest English prose in Debian's main archive is documentation and one
-dictionary; this tool takes six such packages, each under its own free licence (:data:`PACKAGES`):
+downloaders). The largest English prose in Debian's main archive is documentation and a few
+dictionaries; this tool takes 28 such packages, each under its own free licence
+(:data:`PACKAGES`), for about 50M tokens:
 
     python tools/build_debian_corpus.py --debs /work/corpus/debs --output-dir /work/corpus/lab
 
 It runs ``apt-get download`` for the packages missing from ``--debs``, unpacks each with
-``dpkg-deb -x``, turns its files into documents (reStructuredText, AsciiDoc and POD as they are;
-HTML stripped to text, the dictionary's per-sense source tags dropped), holds out
+``dpkg-deb -x``, turns its files into documents (reStructuredText, Markdown, AsciiDoc and POD
+as they are; HTML stripped to text and then of the lines a package's pages share (menus,
+sidebars), a dictionary cut into documents of about 20 kB, GCIDE's per-sense source tags
+dropped), holds out
 ``--valid-per-mille`` of the documents by a hash of their ids, trains a SentencePiece BPE
 tokenizer (``--vocab-size``) and writes Megatron ``.bin``/``.idx`` files and a
 ``sample_data.json`` manifest (what ``benchmarks/lab_study.py --data-dir`` reads) with the
@@ -76,10 +79,57 @@ def _read(path: str) -> str:
 
 
 def _files(root: str, pattern: str, name: str) -> Documents:
+    """Every file under ``root`` matching ``pattern``, once: packages link directories into
+    each other (``usr/share/doc/x -> y``), so a recursive glob meets a file under two names
+    and only the first (sorted) is kept."""
+    seen = set()
     for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+        real = os.path.realpath(path)
+        if real in seen or not os.path.isfile(path):
+            continue
+        seen.add(real)
         text = _read(path)
         if text.strip():
             yield f"{name}/{os.path.relpath(path, root)}", text
+
+
+def without_boilerplate(docs: List[Tuple[str, str]], max_share: float = 0.01,
+                        min_docs: int = 20) -> List[Tuple[str, str]]:
+    """Drop the lines that recur across a package's pages (menus, sidebars, footers that
+    every generated HTML page repeats): a line found in more than ``max(min_docs,
+    max_share * pages)`` pages goes from all of them; pages left empty go too."""
+    counts: Dict[str, int] = {}
+    for _, text in docs:
+        for line in set(line.strip() for line in text.splitlines()):
+            if line:
+                counts[line] = counts.get(line, 0) + 1
+    limit = max(min_docs, max_share * len(docs))
+    out = []
+    for doc_id, text in docs:
+        kept = [line for line in text.splitlines() if counts.get(line.strip(), 0) <= limit]
+        body = re.sub(r"\n{3,}", "\n\n", "\n".join(kept)).strip()
+        if body:
+            out.append((doc_id, body))
+    return out
+
+
+def _html(patterns: Tuple[str, ...], name: str) -> Callable[[str], Documents]:
+    """Documents of the HTML pages under a package's root matching ``patterns``: their
+    visible text, without the lines the package's pages share (:func:`without_boilerplate`)."""
+    def documents(root: str) -> Documents:
+        docs = [(doc_id, html_text(markup)) for pattern in patterns
+                for doc_id, markup in _files(root, pattern, name)]
+        yield from without_boilerplate([(d, t) for d, t in docs if t])
+    return documents
+
+
+def _text(patterns: Tuple[str, ...], name: str) -> Callable[[str], Documents]:
+    """Documents of the text files (reStructuredText or Markdown sources) under a package's
+    root matching ``patterns``, as they are."""
+    def documents(root: str) -> Documents:
+        for pattern in patterns:
+            yield from _files(root, pattern, name)
+    return documents
 
 
 def _kernel(root: str) -> Documents:
@@ -95,10 +145,9 @@ def _python(root: str) -> Documents:
 
 def _postgresql(root: str) -> Documents:
     base = glob.glob(os.path.join(root, "usr/share/doc/postgresql-doc-*/html"))[0]
-    for doc_id, markup in _files(base, "*.html", "postgresql-doc"):
-        text = html_text(markup)
-        if text:
-            yield doc_id, text
+    docs = [(doc_id, html_text(markup)) for doc_id, markup in _files(base, "*.html",
+                                                                     "postgresql-doc")]
+    yield from without_boilerplate([(d, t) for d, t in docs if t])
 
 
 def _git(root: str) -> Documents:
@@ -113,10 +162,8 @@ def _perl(root: str) -> Documents:
 _GCIDE_SOURCE = re.compile(r"^[ \t]*\[[^\]\n]{1,40}\][ \t]*$", re.MULTILINE)
 
 
-def _gcide(root: str) -> Documents:
-    """The dictionary (dictd's plain-text rendering) as documents of about 20 kB of entries
-    each, without the source tag under every sense."""
-    text = _GCIDE_SOURCE.sub("", _read(os.path.join(root, "usr/share/dictd/gcide.dict.dz")))
+def _chunks(text: str, name: str) -> Documents:
+    """A dictionary's entries as documents of about 20 kB each."""
     chunk: List[str] = []
     size, n = 0, 0
     for para in re.split(r"\n\s*\n", text):
@@ -126,10 +173,28 @@ def _gcide(root: str) -> Documents:
         chunk.append(para)
         size += len(para)
         if size > 20_000:
-            yield f"gcide/{n:06d}", "\n\n".join(chunk)
+            yield f"{name}/{n:06d}", "\n\n".join(chunk)
             chunk, size, n = [], 0, n + 1
     if chunk:
-        yield f"gcide/{n:06d}", "\n\n".join(chunk)
+        yield f"{name}/{n:06d}", "\n\n".join(chunk)
+
+
+def _gcide(root: str) -> Documents:
+    """The dictionary (dictd's plain-text rendering), without the source tag under every
+    sense."""
+    yield from _chunks(
+        _GCIDE_SOURCE.sub("", _read(os.path.join(root, "usr/share/dictd/gcide.dict.dz"))),
+        "gcide")
+
+
+def _dictd(name: str) -> Callable[[str], Documents]:
+    def documents(root: str) -> Documents:
+        yield from _chunks(_read(os.path.join(root, f"usr/share/dictd/{name}.dict.dz")), name)
+    return documents
+
+
+_RUST_BOOKS = ("book", "reference", "nomicon", "rust-by-example", "edition-guide",
+               "embedded-book", "rustc", "rustdoc", "unstable-book")
 
 
 # package: (licence as its Debian copyright file states it, documents)
@@ -141,6 +206,59 @@ PACKAGES: Dict[str, Tuple[str, Callable[[str], Documents]]] = {
     "postgresql-doc-15": ("PostgreSQL licence (PostgreSQL 15 manual)", _postgresql),
     "perl-doc": ("GPL-1+ or Artistic (Perl 5.36 POD manuals)", _perl),
     "git-doc": ("GPL-2.0 (Git manual pages and guides, AsciiDoc)", _git),
+    "erlang-doc": ("Apache-2.0 (Erlang/OTP documentation, HTML)",
+                   _html(("usr/share/doc/erlang-doc/**/*.html",), "erlang-doc")),
+    "rust-doc": ("MIT or Apache-2.0 (the Rust books: the book, the reference, the Rustonomicon, "
+                 "Rust by Example and others; not the API pages)",
+                 _html(tuple(f"usr/share/doc/rust-doc/html/{b}/**/*.html" for b in _RUST_BOOKS),
+                       "rust-doc")),
+    "python-scipy-doc": ("BSD-3-clause (SciPy documentation, HTML)",
+                         _html(("usr/share/doc/python-scipy-doc/html/**/*.html",),
+                               "python-scipy-doc")),
+    "python-sqlalchemy-doc": ("Expat (SQLAlchemy documentation, HTML)",
+                              _html(("usr/share/doc/python-sqlalchemy-doc/html/**/*.html",),
+                                    "python-sqlalchemy-doc")),
+    "python-django-doc": ("BSD-3-Clause (Django documentation, HTML)",
+                          _html(("usr/share/doc/python-django-doc/html/**/*.html",),
+                                "python-django-doc")),
+    "python-sklearn-doc": ("BSD-3-Clause (scikit-learn documentation sources)",
+                           _text(("usr/share/doc/**/_sources/**/*.txt",), "python-sklearn-doc")),
+    "python-pandas-doc": ("BSD-3 (pandas documentation sources)",
+                          _text(("usr/share/doc/**/_sources/**/*.txt",), "python-pandas-doc")),
+    "python-statsmodels-doc": ("BSD-3 (statsmodels documentation sources)",
+                               _text(("usr/share/doc/**/_sources/**/*.txt",),
+                                     "python-statsmodels-doc")),
+    "python-astropy-doc": ("BSD-3-Clause (Astropy documentation sources)",
+                           _text(("usr/share/doc/**/_sources/**/*.txt",), "python-astropy-doc")),
+    "python-pytest-doc": ("Expat (pytest documentation sources)",
+                          _text(("usr/share/doc/**/_sources/**/*.txt",), "python-pytest-doc")),
+    "python-sympy-doc": ("BSD-3-clause (SymPy documentation sources)",
+                         _text(("usr/share/doc/**/_sources/**/*.txt",), "python-sympy-doc")),
+    "python-dask-doc": ("BSD-3-Clause (Dask documentation sources)",
+                        _text(("usr/share/doc/**/_sources/**/*.txt",), "python-dask-doc")),
+    "python-xarray-doc": ("Apache-2.0 (xarray documentation sources)",
+                          _text(("usr/share/doc/**/_sources/**/*.txt",), "python-xarray-doc")),
+    "sphinx-doc": ("BSD-2-clause (Sphinx documentation sources)",
+                   _text(("usr/share/doc/**/_sources/**/*.txt",), "sphinx-doc")),
+    "python-flask-doc": ("BSD-3-clause (Flask documentation sources)",
+                         _text(("usr/share/doc/**/_sources/**/*.txt",), "python-flask-doc")),
+    "sqlite3-doc": ("public domain (SQLite documentation, HTML)",
+                    _html(("usr/share/doc/sqlite3/**/*.html",), "sqlite3-doc")),
+    "libreoffice-help-en-us": ("MPL-2.0 (LibreOffice help, English, HTML)",
+                               _html(("usr/share/libreoffice/help/en-US/**/*.html",),
+                                     "libreoffice-help-en-us")),
+    "nodejs-doc": ("Expat (Node.js API documentation, Markdown)",
+                   _text(("usr/share/doc/nodejs/api/*.md.gz", "usr/share/doc/nodejs/api/*.md"),
+                         "nodejs-doc")),
+    "r-doc-html": ("GPL-2 (the R manuals, HTML)",
+                   _html(("usr/share/doc/r-doc-html/manual/*.html",), "r-doc-html")),
+    "debian-handbook": ("GPL-2.0+ or CC-BY-SA-3.0 (The Debian Administrator's Handbook, "
+                        "English, HTML)",
+                        _html(("usr/share/doc/debian-handbook/html/en-US/*.html",),
+                              "debian-handbook")),
+    "dict-foldoc": ("GFDL-1.1+ (Free On-line Dictionary of Computing, dictd's text)",
+                    _dictd("foldoc")),
+    "dict-jargon": ("public domain (the Jargon File, dictd's text)", _dictd("jargon")),
 }
 
 
