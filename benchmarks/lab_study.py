@@ -30,6 +30,8 @@ sums in another order) being the summation-order noise floor.
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import shlex
@@ -94,7 +96,19 @@ def job_key(study: str, config: str, seed: int) -> str:
     return f"{study}/{config}@seed{seed}"
 
 
+@functools.lru_cache(maxsize=None)
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _data(data_dir: str) -> Tuple[Tuple[str, str], int, dict]:
+    """The corpus' (train, valid) prefixes, vocabulary size and what a record says of it: its
+    token counts, packages and the SHA-256 of the training tokens (a rebuilt corpus must be
+    the same one for its jobs to pair with the earlier ones)."""
     with open(os.path.join(data_dir, "sample_data.json")) as f:
         manifest = json.load(f)
     data = manifest["data"]
@@ -103,6 +117,8 @@ def _data(data_dir: str) -> Tuple[Tuple[str, str], int, dict]:
     corpus = {"train_tokens": data.get("train_tokens"), "valid_tokens": data.get("valid_tokens"),
               "vocab_size": data["vocab_size"],
               "packages": {k: v.get("deb") for k, v in manifest.get("packages", {}).items()}}
+    if os.path.exists(prefixes[0] + ".bin"):
+        corpus["train_sha256"] = _sha256(prefixes[0] + ".bin")
     return prefixes, data["vocab_size"], corpus
 
 
@@ -452,6 +468,12 @@ def table(args) -> int:
     sizes = sorted({r["micro_batch_size"] for r in records})
     if len(sizes) > 1:  # another cut of the batch is another summation order: not one study
         raise ValueError(f"study {args.study} mixes micro-batch sizes {sizes} in "
+                         f"{args.results}; keep one")
+    corpora = sorted({json.dumps([r.get("corpus", {}).get(k) for k in ("train_tokens",
+                                                                        "train_sha256")])
+                      for r in records})
+    if len(corpora) > 1:  # other data: not the same runs to pair
+        raise ValueError(f"study {args.study} mixes corpora (training tokens {corpora}) in "
                          f"{args.results}; keep one")
     order = list(CONFIGS)
     records.sort(key=lambda r: (order.index(r["config"]), r["seed"]))

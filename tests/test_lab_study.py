@@ -154,6 +154,41 @@ def test_table_refuses_mixed_micro_batch_sizes(tmp_path):
     assert S.main(["table", "--results", str(results), "--study", "smoke"]) == 0
 
 
+def test_table_refuses_mixed_corpora(tmp_path):
+    results = tmp_path / "res.jsonl"
+    base = {"study": "smoke", "iters": 20, "val_loss": [[10, 5.0]], "final_val_loss": 4.0,
+            "last_iteration": 20, "seed": 1234, "micro_batch_size": 2}
+    rows = [dict(base, job="smoke/zero3@seed1234", config="zero3",
+                 corpus={"train_tokens": 28_000_000}),
+            dict(base, job="smoke/all3@seed1234", config="all3",
+                 corpus={"train_tokens": 52_000_000})]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit):
+        S.main(["table", "--results", str(results), "--study", "smoke"])
+    # the same token count, other tokens (a rebuild that differs)
+    rows[0]["corpus"] = {"train_tokens": 28_000_000, "train_sha256": "aa"}
+    rows[1]["corpus"] = {"train_tokens": 28_000_000, "train_sha256": "bb"}
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit):
+        S.main(["table", "--results", str(results), "--study", "smoke"])
+    rows[1]["corpus"] = rows[0]["corpus"]  # control: one corpus is a table
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert S.main(["table", "--results", str(results), "--study", "smoke"]) == 0
+
+
+def test_corpus_record_carries_the_training_tokens_hash(tmp_path):
+    import hashlib
+
+    (tmp_path / "lab_train_text_document.bin").write_bytes(b"\x01\x02" * 1000)
+    (tmp_path / "sample_data.json").write_text(json.dumps({"data": {
+        "train_data_prefix": "/elsewhere/lab_train_text_document",
+        "valid_data_prefix": "/elsewhere/lab_valid_text_document", "vocab_size": 512,
+        "train_tokens": 1000, "valid_tokens": 0}}))
+    prefixes, vocab, corpus = S._data(str(tmp_path))
+    assert prefixes[0] == str(tmp_path / "lab_train_text_document") and vocab == 512
+    assert corpus["train_sha256"] == hashlib.sha256(b"\x01\x02" * 1000).hexdigest()
+
+
 def test_gpu_sharing_names_an_mps_daemon_only_while_its_pipe_is_there(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert S.gpu_sharing() == "time-slicing"
