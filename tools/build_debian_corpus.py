@@ -193,6 +193,12 @@ def _dictd(name: str) -> Callable[[str], Documents]:
     return documents
 
 
+def _sphinx_sources(name: str) -> Callable[[str], Documents]:
+    """A Sphinx-built documentation package's sources (``_sources/**/*.txt``: the
+    reStructuredText its pages were made from, without their menus)."""
+    return _text(("usr/share/doc/**/_sources/**/*.txt",), name)
+
+
 _RUST_BOOKS = ("book", "reference", "nomicon", "rust-by-example", "edition-guide",
                "embedded-book", "rustc", "rustdoc", "unstable-book")
 
@@ -222,26 +228,25 @@ PACKAGES: Dict[str, Tuple[str, Callable[[str], Documents]]] = {
                           _html(("usr/share/doc/python-django-doc/html/**/*.html",),
                                 "python-django-doc")),
     "python-sklearn-doc": ("BSD-3-Clause (scikit-learn documentation sources)",
-                           _text(("usr/share/doc/**/_sources/**/*.txt",), "python-sklearn-doc")),
+                           _sphinx_sources("python-sklearn-doc")),
     "python-pandas-doc": ("BSD-3 (pandas documentation sources)",
-                          _text(("usr/share/doc/**/_sources/**/*.txt",), "python-pandas-doc")),
+                          _sphinx_sources("python-pandas-doc")),
     "python-statsmodels-doc": ("BSD-3 (statsmodels documentation sources)",
-                               _text(("usr/share/doc/**/_sources/**/*.txt",),
-                                     "python-statsmodels-doc")),
+                               _sphinx_sources("python-statsmodels-doc")),
     "python-astropy-doc": ("BSD-3-Clause (Astropy documentation sources)",
-                           _text(("usr/share/doc/**/_sources/**/*.txt",), "python-astropy-doc")),
+                           _sphinx_sources("python-astropy-doc")),
     "python-pytest-doc": ("Expat (pytest documentation sources)",
-                          _text(("usr/share/doc/**/_sources/**/*.txt",), "python-pytest-doc")),
+                          _sphinx_sources("python-pytest-doc")),
     "python-sympy-doc": ("BSD-3-clause (SymPy documentation sources)",
-                         _text(("usr/share/doc/**/_sources/**/*.txt",), "python-sympy-doc")),
+                         _sphinx_sources("python-sympy-doc")),
     "python-dask-doc": ("BSD-3-Clause (Dask documentation sources)",
-                        _text(("usr/share/doc/**/_sources/**/*.txt",), "python-dask-doc")),
+                        _sphinx_sources("python-dask-doc")),
     "python-xarray-doc": ("Apache-2.0 (xarray documentation sources)",
-                          _text(("usr/share/doc/**/_sources/**/*.txt",), "python-xarray-doc")),
+                          _sphinx_sources("python-xarray-doc")),
     "sphinx-doc": ("BSD-2-clause (Sphinx documentation sources)",
-                   _text(("usr/share/doc/**/_sources/**/*.txt",), "sphinx-doc")),
+                   _sphinx_sources("sphinx-doc")),
     "python-flask-doc": ("BSD-3-clause (Flask documentation sources)",
-                         _text(("usr/share/doc/**/_sources/**/*.txt",), "python-flask-doc")),
+                         _sphinx_sources("python-flask-doc")),
     "sqlite3-doc": ("public domain (SQLite documentation, HTML)",
                     _html(("usr/share/doc/sqlite3/**/*.html",), "sqlite3-doc")),
     "libreoffice-help-en-us": ("MPL-2.0 (LibreOffice help, English, HTML)",
