@@ -54,6 +54,25 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def gpu_bench_args(description: str, json_help: str):
+    """``--numel``, ``--json`` and ``--smoke-cpu`` of the kernel benchmarks that time one
+    size; sets :data:`DEVICE` (``--smoke-cpu``: CPU tensors under ``TRITON_INTERPRET=1``, to
+    test the script itself) or exits without CUDA."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--numel", type=int, default=2**28)
+    parser.add_argument("--json", help=json_help)
+    parser.add_argument("--smoke-cpu", action="store_true",
+                        help="test this script on CPU tensors (needs TRITON_INTERPRET=1, tiny "
+                             "--numel); the numbers mean nothing")
+    args = parser.parse_args()
+    global DEVICE
+    if args.smoke_cpu:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    return args
+
+
 def copy_bandwidth(nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
     dst = torch.empty_like(src)

@@ -15,7 +15,6 @@ the reference run on the same GPU; GB/s counts the bytes each kernel must read a
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -133,17 +132,7 @@ def run(numel: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=2**28)
-    parser.add_argument("--json", help="write the numbers here")
-    parser.add_argument("--smoke-cpu", action="store_true",
-                        help="test this script on CPU tensors (needs TRITON_INTERPRET=1, tiny "
-                             "--numel); the numbers mean nothing")
-    args = parser.parse_args()
-    if args.smoke_cpu:
-        bench_kernels.DEVICE = "cpu"
-    elif not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
+    args = bench_kernels.gpu_bench_args(__doc__.splitlines()[0], "write the numbers here")
     out = run(args.numel)
     print(f"copy bandwidth {out['copy_GB/s']:.0f} GB/s on {out['device']}")
     if args.json:

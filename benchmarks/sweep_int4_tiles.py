@@ -18,7 +18,6 @@ so a run cut short keeps what it measured.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -68,30 +67,35 @@ def run(numel: int, json_path=None) -> dict:
             with open(json_path, "w") as f:
                 json.dump(out, f, indent=1)
 
+    def sweep(kernel, moved, call, reference, keys):
+        """Each shape of ``kernel`` with both roundings; the default shape's stochastic output
+        against the reference, every other shape's output against the default's."""
+        expect = {}
+        for shape in SHAPES[kernel]:
+            for rounding, k in (("nearest", None), ("stochastic", keys)):
+                fn = partial(call, k, _tuning(shape))
+                try:
+                    got = fn()
+                except Exception as exc:  # a shape that does not compile is reported, not fatal
+                    print(f"{kernel} {rounding} {shape}: {exc!r}"[:300], flush=True)
+                    continue
+                if shape is None:
+                    if k is not None:
+                        assert_same(got, reference(k), f"{kernel} reference")
+                    expect[rounding] = got
+                    check = "reference" if k is not None else "-"
+                else:
+                    assert_same(got, expect[rounding], f"{kernel} {rounding} {shape}")
+                    check = "= default"
+                del got
+                add(kernel, rounding, shape, moved, fn, check)
+
     key = derive_key(1234, 7, 0, 3)
     x = random_input(numel, torch.bfloat16, seed=1)
-    kz = row_keys(key, range(8), device=device)
-    moved = quant_bytes(numel, 4, 2)
-    expect = {}
-    for shape in SHAPES["quantize4"]:
-        for rounding, keys in (("nearest", None), ("stochastic", kz)):
-            fn = partial(tk.swizzled_quantize, x, 2, 4, 4, BS, row_keys=keys, **_tuning(shape))
-            try:
-                got = fn()
-            except Exception as exc:  # a shape that does not compile is reported, not fatal
-                print(f"quantize4 {rounding} {shape}: {exc!r}"[:300], flush=True)
-                continue
-            if shape is None:
-                if keys is not None:
-                    assert_same(got, qref.swizzled_quantize(x, 2, 4, 4, BS, kz), "reference")
-                expect[rounding] = got
-                check = "reference" if keys is not None else "-"
-            else:
-                assert_same(got, expect[rounding], f"quantize4 {rounding} {shape}")
-                check = "= default"
-            del got
-            add("quantize4", rounding, shape, moved, fn, check)
-    del x, expect
+    sweep("quantize4", quant_bytes(numel, 4, 2),
+          lambda k, t: tk.swizzled_quantize(x, 2, 4, 4, BS, row_keys=k, **t),
+          lambda k: qref.swizzled_quantize(x, 2, 4, 4, BS, k),
+          row_keys(key, range(8), device=device))
 
     pieces = 8
     parts = [tk.quantize_chunks(random_input(numel, torch.bfloat16, seed=10 + p).view(1, -1), 4,
@@ -100,44 +104,16 @@ def run(numel: int, json_path=None) -> dict:
     scales = torch.stack([s for _, s in parts])
     del parts
     nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
-    moved = (pieces + 1) * (nbytes + 4 * nblocks)
-    k1 = row_keys(key, [0], device=device)
-    expect = {}
-    for shape in SHAPES["reduce"]:
-        for rounding, keys in (("nearest", None), ("stochastic", k1)):
-            fn = partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4, out_row_keys=keys,
-                         **_tuning(shape))
-            try:
-                got = fn()
-            except Exception as exc:
-                print(f"reduce {rounding} {shape}: {exc!r}"[:300], flush=True)
-                continue
-            if shape is None:
-                if keys is not None:
-                    assert_same(got, qref.dequantize_reduce(data, scales, 4, BS, numel, 4,
-                                                            out_row_keys=k1), "reference")
-                expect[rounding] = got
-                check = "reference" if keys is not None else "-"
-            else:
-                assert_same(got, expect[rounding], f"reduce {rounding} {shape}")
-                check = "= default"
-            del got
-            add("reduce", rounding, shape, moved, fn, check)
+    sweep("reduce", (pieces + 1) * (nbytes + 4 * nblocks),
+          lambda k, t: tk.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k, **t),
+          lambda k: qref.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k),
+          row_keys(key, [0], device=device))
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=2**28)
-    parser.add_argument("--json", help="write the numbers here (after every row)")
-    parser.add_argument("--smoke-cpu", action="store_true",
-                        help="test this script on CPU tensors (needs TRITON_INTERPRET=1, tiny "
-                             "--numel); the numbers mean nothing")
-    args = parser.parse_args()
-    if args.smoke_cpu:
-        bench_kernels.DEVICE = "cpu"
-    elif not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
+    args = bench_kernels.gpu_bench_args(__doc__.splitlines()[0],
+                                        "write the numbers here (after every row)")
     out = run(args.numel, args.json)
     print(f"copy bandwidth {out['copy_GB/s']:.0f} GB/s on {out['device']}")
 
