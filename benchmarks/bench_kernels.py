@@ -54,11 +54,13 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def gpu_bench_args(description: str, json_help: str):
-    """``--numel``, ``--json`` and ``--smoke-cpu`` of the kernel benchmarks that time one
-    size; sets :data:`DEVICE` (``--smoke-cpu``: CPU tensors under ``TRITON_INTERPRET=1``, to
-    test the script itself) or exits without CUDA."""
+def gpu_bench_args(description: str, json_help: str, more=None):
+    """``--numel``, ``--json`` and ``--smoke-cpu`` of the kernel benchmarks (``more(parser)``
+    adds a script's own); sets :data:`DEVICE` (``--smoke-cpu``: CPU tensors under
+    ``TRITON_INTERPRET=1``, to test the script itself) or exits without CUDA."""
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--numel", type=int, default=2**28)
     parser.add_argument("--json", help=json_help)
     parser.add_argument("--smoke-cpu", action="store_true",
@@ -334,21 +336,13 @@ def sweep(numel, copy_gbs):
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=2**28)
+def _own_flags(parser) -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--no-naive", action="store_true", help="skip timing naive PyTorch")
-    parser.add_argument("--json", help="write all numbers here")
-    parser.add_argument("--smoke-cpu", action="store_true",
-                        help="test this script on CPU tensors (needs TRITON_INTERPRET=1, tiny "
-                             "--numel); the numbers mean nothing")
-    args = parser.parse_args()
-    global DEVICE
-    if args.smoke_cpu:
-        DEVICE = "cpu"
-    elif not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
+
+
+def main():
+    args = gpu_bench_args(__doc__.splitlines()[0], "write all numbers here", _own_flags)
     import triton
 
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)"
