@@ -337,13 +337,14 @@ def poll(args) -> int:
         ledger = json.load(f)
     os.makedirs(args.out, exist_ok=True)
     device = _device()
+    # one corpus for every job of the run directory: read (and its tokens hashed) once
+    _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
     status, records, partial = {}, [], []
     for key, entry in ledger.items():
         study = SMOKE if entry["study"] == "smoke" else STUDIES[entry["study"]]
         if entry.get("pid") is None:  # waiting for the queue runner
             status[key] = {"state": "queued", "iteration": 0, "ms_median": None, "minutes": 0}
             continue
-        _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
         rec = job_record(entry, key, study, corpus, device)
         alive = _alive(entry["pid"])
         finished = rec["final_val_loss"] is not None and rec["last_iteration"] == study.iters
