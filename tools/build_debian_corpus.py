@@ -113,13 +113,19 @@ def without_boilerplate(docs: List[Tuple[str, str]], max_share: float = 0.01,
     return out
 
 
+def _pages(pages: Documents) -> List[Tuple[str, str]]:
+    """HTML pages (id, markup) as documents: their visible text, without the lines the
+    package's pages share (:func:`without_boilerplate`); pages without text go."""
+    docs = [(doc_id, html_text(markup)) for doc_id, markup in pages]
+    return without_boilerplate([(d, t) for d, t in docs if t])
+
+
 def _html(patterns: Tuple[str, ...], name: str) -> Callable[[str], Documents]:
-    """Documents of the HTML pages under a package's root matching ``patterns``: their
-    visible text, without the lines the package's pages share (:func:`without_boilerplate`)."""
+    """Documents of the HTML pages under a package's root matching ``patterns``
+    (:func:`_pages`)."""
     def documents(root: str) -> Documents:
-        docs = [(doc_id, html_text(markup)) for pattern in patterns
-                for doc_id, markup in _files(root, pattern, name)]
-        yield from without_boilerplate([(d, t) for d, t in docs if t])
+        yield from _pages(page for pattern in patterns
+                          for page in _files(root, pattern, name))
     return documents
 
 
@@ -145,9 +151,7 @@ def _python(root: str) -> Documents:
 
 def _postgresql(root: str) -> Documents:
     base = glob.glob(os.path.join(root, "usr/share/doc/postgresql-doc-*/html"))[0]
-    docs = [(doc_id, html_text(markup)) for doc_id, markup in _files(base, "*.html",
-                                                                     "postgresql-doc")]
-    yield from without_boilerplate([(d, t) for d, t in docs if t])
+    yield from _pages(_files(base, "*.html", "postgresql-doc"))
 
 
 def _git(root: str) -> Documents:
