@@ -18,7 +18,7 @@ rank the host seconds per iteration in each phase of the transports (``comm/lab_
 ``shared.open``: issue times, the copies run on the device). Also: whether ``lab-host`` and
 ``lab-shared`` of a configuration logged the same loss and grad norm at every iteration (they
 move the same bytes; all3's exchanges are all-gathers and all-to-alls). Writes ``--out`` (JSON)
-and prints a table::
+and prints a table; each run's log and rank files go to ``<out>_runs/<run>/``::
 
     python benchmarks/lab_profile.py --out $OUT/lab_profile.json --model 125m
 """
@@ -151,7 +151,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    choices=["one", "lab-shared", "lab-host", "apart"])
     args = p.parse_args(argv)
     z = args.nodes * args.ranks_per_node
-    base = os.path.abspath(os.path.dirname(args.out) or ".")
+    # The runs' logs and rank files beside the report, in a folder of its own: two reports
+    # written to one folder at once (two profiles sharing the GPU) must not read each other's.
+    base = os.path.splitext(os.path.abspath(args.out))[0] + "_runs"
     report: Dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                  "settings": vars(args), "runs": {}}
 
@@ -160,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(report, f, indent=1)
 
     def one_run(name: str, procs: List[List[str]], warmup: int) -> None:
-        run_dir = os.path.join(base, name)
+        run_dir = os.path.join(base, name.replace(" ", "_"))
         os.makedirs(run_dir, exist_ok=True)
         t0 = time.monotonic()
         started = []
