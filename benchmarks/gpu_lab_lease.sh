@@ -5,6 +5,8 @@
 # write their status and the records of finished jobs to OUT. Later calls of the same lease poll:
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
 #       --out $OUT --data-dir /tmp/lab_data
+# Before it queues, it reruns 100 iterations of the study's first recorded job and compares them
+# with the record (lab_study.py recheck; RECHECK=0 skips it); if they differ it queues nothing.
 # With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
 # one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
 # at micro-batch size 4 and checks.txt says so.
@@ -14,7 +16,7 @@
 #
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
-# Usage: [CHECKS=1] [MBS=8] [MPS=1] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
+# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
@@ -44,6 +46,19 @@ if [ "${CHECKS:-0}" = 1 ]; then
         MBS=4
     fi
     tail -5 "$OUT/checks.txt"
+fi
+if [ "${RECHECK:-1}" = 1 ]; then
+    # A rerun of the study's first recorded job (100 iterations, ~1 minute): this machine and
+    # commit must log its numbers, or the jobs below would not pair with the recorded ones.
+    python3 benchmarks/lab_study.py recheck --study "$STUDY" --iters 100 --data-dir /tmp/lab_data \
+        --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$OUT" \
+        --commit "$COMMIT" > "$OUT/recheck.txt" 2>&1
+    rc=$?
+    tail -3 "$OUT/recheck.txt"
+    if [ "$rc" != 0 ]; then
+        echo "[lease] the recheck did not pass (exit code $rc): no job queued; RECHECK=0 queues"
+        exit "$rc"
+    fi
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
     ${MBS:+--micro-batch-size "$MBS"} --data-dir /tmp/lab_data --run-dir /tmp/study \

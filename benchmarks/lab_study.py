@@ -22,6 +22,11 @@ in the file are skipped, so a later lease or session runs only what is missing::
     python benchmarks/lab_study.py table --results docs/lab_study/results.jsonl --study 125m \\
         --plot docs/lab_study/125m.png
 
+A lease first reruns the first 100 iterations of a recorded job (``recheck``): its jobs pair
+with jobs of earlier leases, which ran at other commits and maybe on the other GPU model, so it
+checks that this machine and commit log the same numbers; ``record --rechecks`` keeps the
+verdicts beside the results (``rechecks.jsonl``) and ``table`` prints them.
+
 ``table`` prints, per configuration, the final validation loss per seed and the paired gap to
 zero3 of the same seed (mean +- standard error over the seeds), ``zero3+sg`` (the same fp32
 sums in another order) being the summation-order noise floor.
@@ -365,6 +370,96 @@ def poll(args) -> int:
     return 0
 
 
+def compare_to_record(rec: dict, history: dict, iters: int) -> dict:
+    """A rerun's log (``history``: :func:`_convergence_gpu.collect`'s) against a recorded job,
+    over its first ``iters`` iterations: the training loss every 10 iterations and the
+    validation losses, as both logged them (7 significant digits, so any change of the
+    numbers shows within a few lines). ``identical`` needs every recorded value there and
+    equal; ``first_difference`` names the first that is not, ``missing`` what the rerun
+    did not log."""
+    want = {"loss": {int(i): v for i, v in rec["loss_every_10"] if i <= iters},
+            "val_loss": {int(i): v for i, v in rec["val_loss"] if i <= iters}}
+    got = {"loss": {i: v for i, v in zip(history["iterations"], history["loss"])
+                    if i % 10 == 0 and i <= iters},
+           "val_loss": {int(i): v for i, v in history["val_loss"] if i <= iters}}
+    compared, first, missing = 0, None, []
+    for kind in ("loss", "val_loss"):
+        for i in sorted(want[kind]):
+            if i not in got[kind]:
+                missing.append([kind, i])
+                continue
+            compared += 1
+            if got[kind][i] != want[kind][i] and first is None:
+                first = {"kind": kind, "iteration": i, "recorded": want[kind][i],
+                         "rerun": got[kind][i]}
+    return {"identical": compared > 0 and first is None and not missing,
+            "compared": compared, "first_difference": first, "missing": missing}
+
+
+def recheck(args) -> int:
+    """Rerun the first ``--iters`` iterations of a recorded job (``--job``, or the study's
+    first in the results file) on this machine and this commit, and compare its log with the
+    record (:func:`compare_to_record`). A study pairs jobs that ran in different leases, at
+    different commits and on whichever GPU model the lease had: if a rerun is not identical,
+    later jobs would not pair with the earlier ones. Writes ``recheck.json`` to ``--out``;
+    exit code 0 identical (or nothing recorded yet to rerun), 3 different."""
+    results = read_results(args.results)
+    mine = [k for k, r in results.items() if r["study"] == args.study]
+    key = args.job or (mine[0] if mine else None)
+    if key is None:
+        print(f"no finished job of study {args.study} in {args.results}: nothing to recheck")
+        return 0
+    if key not in results:
+        raise ValueError(f"--job {key} is not in {args.results} (recorded: {sorted(results)})")
+    rec = results[key]
+    study = SMOKE if rec["study"] == "smoke" else STUDIES[rec["study"]]
+    if args.iters < 10 or args.iters % 10 or args.iters > rec["iters"]:
+        raise ValueError(f"--iters {args.iters}: a multiple of 10 (the log interval) up to "
+                         f"the job's {rec['iters']}")
+    if list(CONFIGS[rec["config"]]) != rec["flags"]:
+        raise ValueError(f"{key} ran with {rec['flags']}, {rec['config']} is now "
+                         f"{list(CONFIGS[rec['config']])}: not the same job")
+    _, _, corpus = _data(args.data_dir)
+    if corpus.get("train_sha256") != rec["corpus"].get("train_sha256"):
+        raise ValueError(f"{args.data_dir} holds other training tokens (SHA-256 "
+                         f"{corpus.get('train_sha256')}) than {key} read "
+                         f"({rec['corpus'].get('train_sha256')})")
+    job_dir = os.path.join(os.path.abspath(args.run_dir), "recheck_" + key.replace("/", "_"))
+    os.makedirs(job_dir, exist_ok=True)
+    # the job's own schedule (the learning rate of every step), stopped early
+    entry = {"dir": job_dir, "flags": job_flags(study, rec["config"], rec["seed"],
+                                                args.data_dir, job_dir,
+                                                rec["micro_batch_size"])
+             + ["--exit-interval", str(args.iters)]}
+    rc = _launch(entry).wait()
+    name = os.path.basename(job_dir)
+    verdict = compare_to_record(rec, G.collect(os.path.dirname(job_dir), [name])[name],
+                                args.iters)
+    out = {"job": key, "iters": args.iters, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                   time.gmtime()),
+           "device": _device(), "commit": args.commit, "gpu_sharing": entry["gpu_sharing"],
+           "recorded": {k: rec.get(k) for k in ("device", "commit", "gpu_sharing")},
+           "returncode": rc, **verdict}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "recheck.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(recheck_line(out))
+    return 0 if out["identical"] else 3
+
+
+def recheck_line(r: dict) -> str:
+    """One line for a recheck (:func:`recheck`'s output)."""
+    head = (f"recheck of {r['job']} on {r['device']} at {r['commit']} (recorded on "
+            f"{r['recorded']['device']} at {r['recorded']['commit']}), {r['iters']} iterations: ")
+    if r["identical"]:
+        return head + f"identical ({r['compared']} logged values)"
+    d = r["first_difference"]
+    if d is not None:
+        return head + (f"DIFFERENT: {d['kind']} at iteration {d['iteration']} "
+                       f"{d['rerun']} (recorded {d['recorded']})")
+    return head + f"INCOMPLETE (exit code {r['returncode']}; not logged: {r['missing'][:3]})"
+
+
 def _device() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -392,7 +487,27 @@ def record(args) -> int:
                     done[r["job"]] = r
                     added += 1
     print(f"{added} new job(s) recorded in {args.results}; {len(done)} in all")
+    for path in args.rechecks:
+        with open(path) as f:
+            r = json.load(f)
+        with open(rechecks_path(args.results), "a") as out:
+            out.write(json.dumps(r) + "\n")
+        print(f"added to {rechecks_path(args.results)}: {recheck_line(r)}")
     return 0
+
+
+def rechecks_path(results: str) -> str:
+    """Where the rechecks (:func:`recheck`) of a results file's jobs are kept: beside it."""
+    return os.path.join(os.path.dirname(os.path.abspath(results)), "rechecks.jsonl")
+
+
+def read_rechecks(results: str, study: str) -> List[dict]:
+    path = rechecks_path(results)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r["job"].split("/")[0] == study]
 
 
 def as_results(records: Sequence[dict]) -> Dict[str, dict]:
@@ -486,6 +601,8 @@ def table(args) -> int:
           f"iteration {iters}, seeds {seeds}\n")
     for line in device_notes(records):
         print(line)
+    for r in read_rechecks(args.results, args.study):
+        print(recheck_line(r))
     print(L.table(summ))
     study = SMOKE if args.study == "smoke" else STUDIES[args.study]
     for line in targets(summ, study):
@@ -520,6 +637,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     r = sub.add_parser("record", help="add finished jobs' records to the results file")
     r.add_argument("--records", nargs="+", required=True)
     r.add_argument("--results", required=True)
+    r.add_argument("--rechecks", nargs="*", default=[],
+                   help="recheck.json files to keep beside the results (rechecks.jsonl)")
+    c = sub.add_parser("recheck", help="rerun a recorded job's first iterations here and "
+                       "compare them with its record")
+    c.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
+    c.add_argument("--job", default=None, help="its key (default: the study's first recorded)")
+    c.add_argument("--iters", type=int, default=100)
+    c.add_argument("--results", required=True)
+    c.add_argument("--data-dir", required=True)
+    c.add_argument("--run-dir", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--commit", required=True, help="the commit the rerun runs")
     t = sub.add_parser("table", help="the study's table (and curves)")
     t.add_argument("--results", required=True)
     t.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
@@ -527,7 +656,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         return {"start": start, "run-queue": run_queue, "poll": poll, "record": record,
-                "table": table}[args.cmd](args)
+                "recheck": recheck, "table": table}[args.cmd](args)
     except (OSError, ValueError, KeyError) as e:
         p.error(str(e))
     return 2

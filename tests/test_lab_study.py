@@ -1,10 +1,12 @@
-"""benchmarks/lab_study.py without training: which jobs run next, a job's record read from its
-log, the results file skipping what it holds, and the study's table of paired gaps."""
+"""benchmarks/lab_study.py: which jobs run next, a job's record read from its log, the results
+file skipping what it holds, the study's table of paired gaps, a rerun compared with its
+record; and (slow) one job of the smoke study trained on CPU, recorded and rechecked."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -258,3 +260,111 @@ def test_targets_met_missed_and_open():
     lines = S.targets(_summary(partial), study)
     assert lines == ["target all3 <= +0.25 %: +0.300 % +- 0.000: open (2 of 3 seeds)",
                      "target qwz+hpz inside zero3's seed band: open (2 of 3 seeds)"]
+
+
+def _rec(**kw):
+    base = {"job": "smoke/zero3@seed1234", "study": "smoke", "config": "zero3", "seed": 1234,
+            "iters": 20, "flags": [], "micro_batch_size": 2, "device": "NVIDIA H100",
+            "commit": "abc", "gpu_sharing": "mps", "corpus": {"train_sha256": "ff"},
+            "loss_every_10": [[10, 5.25], [20, 4.5]], "val_loss": [[10, 5.5], [20, 4.75]],
+            "final_val_loss": 4.75, "last_iteration": 20}
+    base.update(kw)
+    return base
+
+
+def _history(loss, val):
+    return {"iterations": [1] + sorted(loss), "loss": [9.0] + [loss[i] for i in sorted(loss)],
+            "val_loss": sorted(val.items())}
+
+
+def test_compare_to_record_identical_different_and_missing():
+    rec = _rec()
+    same = S.compare_to_record(rec, _history({10: 5.25}, {10: 5.5}), 10)
+    assert same == {"identical": True, "compared": 2, "first_difference": None, "missing": []}
+    # a rerun past the compared iterations is compared up to them only
+    assert S.compare_to_record(rec, _history({10: 5.25, 20: 1.0}, {10: 5.5}), 10)["identical"]
+    off = S.compare_to_record(rec, _history({10: 5.25}, {10: 5.500001}), 10)
+    assert not off["identical"] and off["first_difference"] == {
+        "kind": "val_loss", "iteration": 10, "recorded": 5.5, "rerun": 5.500001}
+    short = S.compare_to_record(rec, _history({}, {}), 10)  # the rerun died before line 10
+    assert not short["identical"] and short["missing"] == [["loss", 10], ["val_loss", 10]]
+    assert short["compared"] == 0 and short["first_difference"] is None
+
+
+def test_recheck_refuses_another_job_or_corpus_before_running(tmp_path):
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(_rec(flags=["--zeropp-qgz"])) + "\n")
+    (tmp_path / "sample_data.json").write_text(json.dumps({"data": {
+        "train_data_prefix": "t", "valid_data_prefix": "v", "vocab_size": 512}}))
+    base = ["recheck", "--study", "smoke", "--results", str(results), "--data-dir",
+            str(tmp_path), "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "o"),
+            "--commit", "x", "--iters", "10"]
+    with pytest.raises(SystemExit):  # the record's flags are not zero3's: another job
+        S.main(base)
+    results.write_text(json.dumps(_rec()) + "\n")
+    with pytest.raises(SystemExit):  # no training tokens to hash: not the recorded corpus
+        S.main(base)
+    with pytest.raises(SystemExit):  # not a multiple of the log interval
+        S.main(base[:-1] + ["15"])
+    assert not (tmp_path / "run").exists()  # nothing started
+    results.write_text("")
+    assert S.main(base) == 0  # nothing recorded yet: nothing to recheck
+
+
+def test_record_keeps_rechecks_and_table_prints_them(tmp_path, capsys):
+    results = tmp_path / "results.jsonl"
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps(_rec()) + "\n")
+    check = {"job": "smoke/zero3@seed1234", "iters": 10, "device": "NVIDIA H200",
+             "commit": "def", "recorded": {"device": "NVIDIA H100", "commit": "abc"},
+             "returncode": 0, "identical": True, "compared": 2, "first_difference": None,
+             "missing": []}
+    (tmp_path / "recheck.json").write_text(json.dumps(check))
+    assert S.main(["record", "--records", str(records), "--results", str(results),
+                   "--rechecks", str(tmp_path / "recheck.json")]) == 0
+    assert json.loads((tmp_path / "rechecks.jsonl").read_text()) == check
+    capsys.readouterr()
+    S.main(["table", "--results", str(results), "--study", "smoke"])
+    assert ("recheck of smoke/zero3@seed1234 on NVIDIA H200 at def (recorded on NVIDIA H100 at "
+            "abc), 10 iterations: identical (2 logged values)") in capsys.readouterr().out
+    differs = dict(check, identical=False, first_difference={
+        "kind": "loss", "iteration": 10, "recorded": 5.25, "rerun": 5.26})
+    assert S.recheck_line(differs).endswith("DIFFERENT: loss at iteration 10 5.26 (recorded "
+                                            "5.25)")
+
+
+def _wait_for_queue(run_dir, seconds=300):
+    deadline = time.monotonic() + seconds
+    while S._queue_pid(run_dir) is not None:
+        assert time.monotonic() < deadline, "the queue runner did not finish"
+        time.sleep(1)
+
+
+@pytest.mark.slow
+def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
+    """The driver end to end on CPU (the smoke study's tiny GPT, 2 x 2 ranks): start a job
+    through the queue runner, poll, record; a rerun of its first 10 iterations logs the same
+    numbers; a record claiming those numbers for all three switches does not pass (the
+    rerun trains all3 and differs)."""
+    data, run, out = sample_dir, str(tmp_path / "run"), str(tmp_path / "out")
+    results = str(tmp_path / "results.jsonl")
+    assert S.main(["start", "--study", "smoke", "--jobs", "1", "--one-at-a-time", "--data-dir",
+                   data, "--run-dir", run, "--results", results, "--commit", "c0"]) == 0
+    _wait_for_queue(run)
+    assert S.main(["poll", "--run-dir", run, "--out", out, "--data-dir", data]) == 0
+    assert S.main(["record", "--records", os.path.join(out, "records.jsonl"),
+                   "--results", results]) == 0
+    rec = S.read_results(results)["smoke/zero3@seed1234"]
+    assert rec["last_iteration"] == 20 and [i for i, _ in rec["val_loss"]] == [10, 20]
+    check = ["recheck", "--study", "smoke", "--iters", "10", "--data-dir", data,
+             "--run-dir", str(tmp_path / "re"), "--out", out, "--commit", "c1"]
+    assert S.main(check + ["--results", results]) == 0
+    same = json.load(open(os.path.join(out, "recheck.json")))
+    assert same["identical"] and same["compared"] == 2 and same["returncode"] == 0
+    # negative control: the same numbers claimed by all3; its rerun trains all3
+    wrong = dict(rec, job="smoke/all3@seed1234", config="all3", flags=list(S.CONFIGS["all3"]))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(wrong) + "\n")
+    assert S.main(check + ["--results", str(other), "--run-dir", str(tmp_path / "re2")]) == 3
+    diff = json.load(open(os.path.join(out, "recheck.json")))
+    assert not diff["identical"] and diff["first_difference"]["iteration"] == 10
