@@ -35,6 +35,7 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-qgz-stochastic-rounding --no-zeropp-qgz-stochastic-rounding
 --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
 --zeropp-qwz-diff-bits --zeropp-qwz-diff-exact-interval --zeropp-qgz-hadamard-seed
+--zeropp-eval-weights
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""
@@ -120,8 +121,8 @@ def test_zeropp_flags_are_the_same_here_and_in_a_patched_megatron_lm():
     theirs = options(megatron_lm.add_arguments(argparse.ArgumentParser()))
     shared = set(ours) & set(theirs)
     assert len(shared) >= 20 and all(ours[o] == theirs[o] for o in shared)
-    # only the entry points' own extras differ
-    assert set(ours) - shared == {"--zeropp-qgz-error-log"}
+    # only the entry points' own extras differ (Megatron-LM's evaluate() is its own)
+    assert set(ours) - shared == {"--zeropp-qgz-error-log", "--zeropp-eval-weights"}
     assert set(theirs) - shared == {"--zeropp-zero3"}
     assert ours["--zeropp-qwz-bits"] == (int, 8, (4, 8), None)
 

@@ -188,6 +188,7 @@ class ZeroPPDataParallel(BaseDataParallel):
         self._rank_state_loaded = True  # False from load_state_dict to load_rank_state
         self._residuals_at_start = None  # qgZ residuals as this iteration found them (reruns)
         self.weight_version = 0
+        self._forward_phase = "forward"  # "exact" inside exact_forwards()
         self.overlap_param_gather_with_optimizer_step = False
         self._last_microbatch = True  # False inside no_sync(): gradients only accumulate
         self._sharded_metadata = None  # of the last sharded_state_dict(), for its load
@@ -277,11 +278,13 @@ class ZeroPPDataParallel(BaseDataParallel):
     def _prefetch(self, unit: ShardedUnit, phase: str) -> None:
         # The schedule's call: gather ``unit`` ahead, at this chunk's weight version.
         if unit.state is UnitState.RELEASED:
-            unit.start_gather(self.weight_version, phase, async_op=True)
+            unit.start_gather(self.weight_version,
+                              self._forward_phase if phase == "forward" else phase,
+                              async_op=True)
 
     def _root_pre_hook(self, module, args):
         unit = self._root_to_unit[id(module)]
-        unit.acquire(self.weight_version, "forward")
+        unit.acquire(self.weight_version, self._forward_phase)
         self.schedule.entered(unit, "forward")
 
     def _root_post_hook(self, module, args, output):
@@ -302,7 +305,7 @@ class ZeroPPDataParallel(BaseDataParallel):
             if unit is not None and unit.users == 0 and unit not in needed:
                 needed.append(unit)
         for unit in needed:
-            unit.acquire(self.weight_version, "forward")
+            unit.acquire(self.weight_version, self._forward_phase)
         self._call_stack.setdefault(id(module), []).append(needed)
         return None
 
@@ -478,6 +481,22 @@ class ZeroPPDataParallel(BaseDataParallel):
         self.release_all()
         self.weight_version += 1
         self.clock.weights_changed()
+
+    @contextlib.contextmanager
+    def exact_forwards(self):
+        """Forwards inside the block compute with the exact 16-bit weights, as a checkpoint
+        holds them: every gather reads the primary shards unquantized (never qwZ, never the
+        hpZ secondary) and leaves the secondary and the qwZ difference reference alone, one
+        unit at a time as in any forward. For evaluating the trained weights themselves
+        (``--zeropp-eval-weights``); what training computes afterwards is unchanged, since the
+        units gathered inside are released on both sides of the block."""
+        self.release_all()
+        self._forward_phase = "exact"
+        try:
+            yield
+        finally:
+            self._forward_phase = "forward"
+            self.release_all()
 
     @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):

@@ -21,6 +21,9 @@ from megatron_zeropp.sharding.support import add_node_size_flag
 from . import arg_checks, megatron_lm_flags, megatron_lm_rules, safety_flags, virtual_pipeline
 from .profiling import add_profile_args, validate_profile_args
 
+EVAL_WEIGHTS = ("gathered", "exact", "both")
+"""``--zeropp-eval-weights``: what evaluations compute with (see its help)."""
+
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -167,6 +170,13 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-error-log", default=None, metavar="PATH",
                    help="with --zeropp-qgz-error-interval: rank 0 appends one JSON line per "
                    "measured iteration (per-layer and total relative error) to PATH")
+    g.add_argument("--zeropp-eval-weights", choices=EVAL_WEIGHTS, default="gathered",
+                   help="the weights evaluations compute with: gathered = as training's forward "
+                   "gathers them (qwZ-quantized when --zeropp-qwz is on, as DeepSpeed's ZeRO++ "
+                   "evaluates); exact = the 16-bit weights a checkpoint holds (an unquantized "
+                   "gather, one unit at a time); both = the gathered loss as the validation "
+                   "loss, and the exact one logged beside it ('validation loss (exact weights) "
+                   "at ...'). Training computes the same either way")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initialize the weights on the host (Megatron-LM's flag); with the ZeRO++ "
                    "layer each unit then goes to the GPU on its own and is sharded at once, so "
@@ -308,6 +318,10 @@ def validate(args, world_size: int) -> List[str]:
     if args.data_parallel_impl == "megatron" and zeropp_flags:
         errors.append(f"--data-parallel-impl megatron conflicts with "
                       f"{', '.join('--' + f.replace('_', '-') for f in zeropp_flags)}")
+    if args.data_parallel_impl == "megatron" and args.zeropp_eval_weights != "gathered":
+        errors.append(f"--zeropp-eval-weights {args.zeropp_eval_weights} needs "
+                      "--data-parallel-impl zeropp (megatron-core's DDP evaluates its own "
+                      "full weights)")
     if args.zeropp_qgz_error_log is not None and not args.zeropp_qgz_error_interval:
         errors.append(f"--zeropp-qgz-error-log {args.zeropp_qgz_error_log} needs "
                       f"--zeropp-qgz-error-interval > 0, got {args.zeropp_qgz_error_interval}")

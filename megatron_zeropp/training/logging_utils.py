@@ -129,13 +129,13 @@ def training_log_line(
     return " | ".join(parts) + " |"
 
 
-def validation_log_line(where, loss: float) -> str:
+def validation_log_line(where, loss: float, what: str = "validation loss") -> str:
     """Megatron-LM's evaluation line; ``where`` is the iteration, or its text
-    (``"iteration 10 on test set"``)."""
+    (``"iteration 10 on test set"``); ``what`` names another evaluation of the same batches."""
     import math
 
     ppl = math.exp(min(20.0, loss))
-    return (f" validation loss at {where if isinstance(where, str) else f'iteration {where}'} | "
+    return (f" {what} at {where if isinstance(where, str) else f'iteration {where}'} | "
             f"lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 import warnings
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy
 import torch
@@ -153,13 +154,40 @@ def _batches(dataset, args, dp_rank, dp_size, consumed, device, chunks: int = 1)
     return its[0] if chunks == 1 else its
 
 
-def _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb, device):
-    """Mean LM loss over ``--eval-iters`` global batches of ``dataset`` from batch ``start_batch``
-    (None without a dataset)."""
-    from megatron.core import parallel_state as ps
-
+def _evaluations(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb,
+                 device) -> Optional[Dict[str, float]]:
+    """The evaluation ``--zeropp-eval-weights`` asks for, over the same batches:
+    ``{"gathered": loss}``, ``{"exact": loss}`` or both (None without a dataset). The first
+    key is the one logged as the validation loss."""
     if dataset is None:
         return None
+    kinds = {"both": ("gathered", "exact")}.get(args.zeropp_eval_weights,
+                                                 (args.zeropp_eval_weights,))
+    out = {}
+    for kind in kinds:
+        with contextlib.ExitStack() as stack:
+            if kind == "exact":
+                for chunk in layer.zero_chunks(model_chunks):
+                    stack.enter_context(chunk.exact_forwards())
+            out[kind] = _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch,
+                                  nmb, device)
+    return out
+
+
+def _log_evaluations(where, losses: Dict[str, float]) -> None:
+    """The validation line (the first evaluation) and, with ``--zeropp-eval-weights both``,
+    the exact weights' line beside it (a text Megatron-LM's log readers do not match)."""
+    (_, loss), *rest = losses.items()
+    _log(validation_log_line(where, loss))
+    for kind, value in rest:
+        _log(validation_log_line(where, value, what=f"validation loss ({kind} weights)"))
+
+
+def _evaluate(model_chunks, args, dataset, dp_group, pp_group, start_batch, nmb, device):
+    """Mean LM loss over ``--eval-iters`` global batches of ``dataset`` from batch
+    ``start_batch``."""
+    from megatron.core import parallel_state as ps
+
     dp = ps.get_data_parallel_world_size()
     start = start_batch * args.eval_iters * args.global_batch_size
     it = _batches(dataset, args, ps.get_data_parallel_rank(), dp, max(start, 0), device,
@@ -331,7 +359,9 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         dp_rank, dp_size, consumed, device, len(chunks))
     board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None, args)
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
-               "final_val_loss": [], "test_loss": [], "qgz_error": []}
+               "final_val_loss": [], "test_loss": [], "qgz_error": [],
+               # --zeropp-eval-weights both: the exact weights' evaluations
+               "val_loss_exact": [], "final_val_loss_exact": [], "test_loss_exact": []}
     stats = IntervalStats()
     logged = False  # a line of this run yet
     collector = ManualGC(args)
@@ -420,14 +450,18 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                 stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
             collector.eval_boundary()
-            val = _evaluate(chunks, args, valid_ds, dp_group, pp_group, evals_done, nmb, device)
+            vals = _evaluations(chunks, args, valid_ds, dp_group, pp_group, evals_done, nmb,
+                                device)
             evals_done += 1
             collector.eval_boundary()
             layer.comm_counts(chunks, reset=True)  # evaluation traffic is not training traffic
-            if val is not None:
+            if vals is not None:
+                val = next(iter(vals.values()))
                 history["val_loss"].append((iteration, val))
+                if "exact" in vals:
+                    history["val_loss_exact"].append((iteration, vals["exact"]))
                 board.validation(iteration, consumed, val)
-                _log(validation_log_line(iteration, val))
+                _log_evaluations(iteration, vals)
         collector.after_step(iteration)
         if on_iteration is not None:
             on_iteration(iteration, chunks, optimizer)
@@ -494,11 +528,14 @@ def _final_evaluation(args, chunks, valid_ds, test_ds, dp_group, pp_group, evals
     if args.eval_iters <= 0:
         return
     for name, dataset, start in (("validation", valid_ds, evals_done), ("test", test_ds, 0)):
-        loss = _evaluate(chunks, args, dataset, dp_group, pp_group, start, nmb, device)
-        if loss is None:
+        losses = _evaluations(chunks, args, dataset, dp_group, pp_group, start, nmb, device)
+        if losses is None:
             continue
-        history["final_val_loss" if name == "validation" else "test_loss"].append(
-            (iteration, loss))
+        loss = next(iter(losses.values()))
+        key = "final_val_loss" if name == "validation" else "test_loss"
+        history[key].append((iteration, loss))
+        if "exact" in losses:
+            history[key + "_exact"].append((iteration, losses["exact"]))
         if not args.skip_train:  # as Megatron-LM: an evaluation-only run writes no scalars
             board.validation(iteration, consumed, loss)  # one series for both, as Megatron-LM
-        _log(validation_log_line(f"iteration {iteration} on {name} set", loss))
+        _log_evaluations(f"iteration {iteration} on {name} set", losses)
