@@ -68,6 +68,11 @@ _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: 
 # the closing evaluation (after the last iteration, or all of a --skip-train run)
 _FINAL_VALIDATION = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss "
                                r"value: ([0-9.Ee+-]+)")
+# the same evaluations with the exact 16-bit weights (--zeropp-eval-weights both)
+_VALIDATION_EXACT = re.compile(r"validation loss \(exact weights\) at iteration (\d+) \| lm loss "
+                               r"value: ([0-9.Ee+-]+)")
+_FINAL_VALIDATION_EXACT = re.compile(r"validation loss \(exact weights\) at iteration (\d+) on "
+                                     r"validation set \| lm loss value: ([0-9.Ee+-]+)")
 
 
 @dataclass(frozen=True)
@@ -219,13 +224,16 @@ def _qgz_errors(path: str) -> List[dict]:
 def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
     """Curves of each configuration from its accumulated log (a resumed iteration's later line
     wins): ``iterations, loss, grad_norm, ms, time (the lines' stamps, POSIX seconds, or None),
-    val_loss [(it, loss)], final_val_loss, qgz_error``."""
+    val_loss [(it, loss)], final_val_loss, val_loss_exact, final_val_loss_exact (the exact
+    weights' evaluations, ``--zeropp-eval-weights both``), qgz_error``."""
     out = {}
     for name in names:
         path = os.path.join(run_dir, name, "train.log")
         its: Dict[int, dict] = {}
         vals: Dict[int, float] = {}
         finals: Dict[int, float] = {}
+        vals_exact: Dict[int, float] = {}
+        finals_exact: Dict[int, float] = {}
         if os.path.exists(path):
             with open(path, errors="replace") as f:
                 for line in f:
@@ -233,7 +241,9 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
                     if it is not None and "loss" in it:
                         its[it["iteration"]] = it
                         continue
-                    for pattern, into in ((_VALIDATION, vals), (_FINAL_VALIDATION, finals)):
+                    for pattern, into in ((_VALIDATION, vals), (_FINAL_VALIDATION, finals),
+                                          (_VALIDATION_EXACT, vals_exact),
+                                          (_FINAL_VALIDATION_EXACT, finals_exact)):
                         m = pattern.search(line)
                         if m:
                             into[int(m.group(1))] = float(m.group(2))
@@ -246,6 +256,8 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
             "time": [its[i].get("time") for i in order],
             "val_loss": sorted(vals.items()),
             "final_val_loss": sorted(finals.items()),
+            "val_loss_exact": sorted(vals_exact.items()),
+            "final_val_loss_exact": sorted(finals_exact.items()),
             "qgz_error": _qgz_errors(os.path.join(run_dir, name, "qgz_error.jsonl")),
         }
     return out

@@ -92,6 +92,12 @@ STUDIES = {
     "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3"), micro_batch_size=4),
 }
 NODES, RANKS_PER_NODE = 2, 2
+# Every validation twice over the same batches: with the weights training's forward gathers
+# (qwZ-quantized where qwZ is on; the study's validation loss) and with the exact 16-bit
+# weights a checkpoint holds, to tell what quantized evaluation costs from what training lost.
+# Training computes the same bits either way (tests/test_eval_weights.py). Jobs recorded before
+# 2026-12-05 20:00 UTC evaluated the gathered weights only.
+EVAL_WEIGHTS = "both"
 SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
               global_batch_size=8, eval_interval=10, eval_iters=2)
 """A CPU-sized study for the driver's own test."""
@@ -143,6 +149,7 @@ def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str,
         "--train-iters", str(study.iters), "--lr-warmup-iters", str(warmup),
         "--eval-interval", str(study.eval_interval), "--eval-iters", str(study.eval_iters),
         "--data-cache-path", os.path.join(job_dir, "data_cache"), "--seed", str(seed),
+        "--zeropp-eval-weights", EVAL_WEIGHTS,
     ] + list(CONFIGS[config])
 
 
@@ -325,6 +332,10 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
     loss = [[i, v] for i, v in zip(h["iterations"], h["loss"]) if i % 10 == 0]
     ms = [m for m in h["ms"] if m]
     final = h["final_val_loss"][-1][1] if h["final_val_loss"] else None
+    final_exact = h["final_val_loss_exact"][-1][1] if h["final_val_loss_exact"] else None
+    flags = entry.get("flags") or []
+    evaluated = (flags[flags.index("--zeropp-eval-weights") + 1]
+                 if "--zeropp-eval-weights" in flags else "gathered")
     return {"job": key, "study": entry["study"], "model": study.model, "config": entry["config"],
             "seed": entry["seed"], "iters": study.iters, "flags": list(CONFIGS[entry["config"]]),
             "layout": f"{NODES}x{RANKS_PER_NODE}",
@@ -333,8 +344,11 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
             "gpu_sharing": entry.get("gpu_sharing"),
             "corpus": corpus, "loss_every_10": loss, "val_loss": [list(v) for v in h["val_loss"]],
-            "final_val_loss": final, "last_iteration": h["iterations"][-1] if h["iterations"]
-            else 0, "ms_median": statistics.median(ms) if ms else None, "seconds": wall}
+            "final_val_loss": final, "eval_weights": evaluated,
+            "val_loss_exact": [list(v) for v in h["val_loss_exact"]],
+            "final_val_loss_exact": final_exact,
+            "last_iteration": h["iterations"][-1] if h["iterations"] else 0,
+            "ms_median": statistics.median(ms) if ms else None, "seconds": wall}
 
 
 def poll(args) -> int:
@@ -522,6 +536,21 @@ def as_results(records: Sequence[dict]) -> Dict[str, dict]:
     return out
 
 
+def exact_weights(records: Sequence[dict]) -> List[dict]:
+    """The records as evaluated with the exact 16-bit weights: a job's exact evaluations
+    (``--zeropp-eval-weights both``) in place of its validation losses; a job without qwZ
+    gathered the exact weights already (the same bits: tests/test_eval_weights.py), so its
+    own; a qwZ job recorded before the exact evaluations existed is left out."""
+    out = []
+    for r in records:
+        if r.get("final_val_loss_exact") is not None:
+            out.append(dict(r, val_loss=r["val_loss_exact"],
+                            final_val_loss=r["final_val_loss_exact"]))
+        elif "--zeropp-qwz" not in r["flags"]:
+            out.append(r)
+    return out
+
+
 def device_notes(records: Sequence[dict]) -> List[str]:
     """Which GPU models the jobs ran on, where more than one did, and the seeds whose jobs
     did not all run on the same model: the device tool gives an H100 or an H200, and their
@@ -607,6 +636,12 @@ def table(args) -> int:
     study = SMOKE if args.study == "smoke" else STUDIES[args.study]
     for line in targets(summ, study):
         print(line)
+    if any(r.get("final_val_loss_exact") is not None for r in records):
+        exact = exact_weights(records)
+        seeds_exact = sorted({r["seed"] for r in exact})
+        print(f"\nthe same jobs evaluated with the exact 16-bit weights (qwZ jobs recorded "
+              f"before those evaluations left out), seeds {seeds_exact}:\n")
+        print(L.table(L.summary(as_results(exact), seeds_exact, at=iters)))
     if args.plot:
         L.plot(results, args.plot)
     return 0

@@ -361,6 +361,7 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     assert S.main(check + ["--results", results]) == 0
     same = json.load(open(os.path.join(out, "recheck.json")))
     assert same["identical"] and same["compared"] == 2 and same["returncode"] == 0
+    assert rec["eval_weights"] == "both" and rec["final_val_loss_exact"] == rec["final_val_loss"]
     # negative control: the same numbers claimed by all3; its rerun trains all3
     wrong = dict(rec, job="smoke/all3@seed1234", config="all3", flags=list(S.CONFIGS["all3"]))
     other = tmp_path / "other.jsonl"
@@ -368,3 +369,50 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     assert S.main(check + ["--results", str(other), "--run-dir", str(tmp_path / "re2")]) == 3
     diff = json.load(open(os.path.join(out, "recheck.json")))
     assert not diff["identical"] and diff["first_difference"]["iteration"] == 10
+
+
+def test_job_record_reads_the_exact_weights_evaluations(tmp_path):
+    entry = _fake_job(tmp_path, "all3", 1234, 4.0)
+    log = os.path.join(entry["dir"], "train.log")
+    with open(log, "a") as f:  # the lines --zeropp-eval-weights both adds
+        f.write(" validation loss (exact weights) at iteration 10 | lm loss value: 4.870000E+00 "
+                "| lm loss PPL: 1.3E+02 |\n validation loss (exact weights) at iteration 20 on "
+                "validation set | lm loss value: 3.990000E+00 | lm loss PPL: 5.4E+01 |\n")
+    entry["flags"] = ["--zeropp-eval-weights", "both"]
+    rec = S.job_record(entry, "k", S.SMOKE, {}, "cpu")
+    assert rec["eval_weights"] == "both"
+    assert rec["val_loss_exact"] == [[10, 4.87]] and rec["final_val_loss_exact"] == 3.99
+    assert rec["final_val_loss"] == 4.0  # the gathered evaluation stays the validation loss
+    assert [i for i, _ in rec["val_loss"]] == [10, 20]  # the exact lines are not read as it
+
+
+def test_exact_weights_table(tmp_path, capsys):
+    base = {"study": "smoke", "iters": 20, "micro_batch_size": 2, "device": "cpu",
+            "last_iteration": 20}
+    rows = [
+        # recorded before the exact evaluations: zero3 stands (no qwZ), all3 is left out
+        dict(base, job="smoke/zero3@seed1234", config="zero3", seed=1234, flags=[],
+             val_loss=[[10, 5.0]], final_val_loss=4.0),
+        dict(base, job="smoke/all3@seed1234", config="all3", seed=1234,
+             flags=list(S.CONFIGS["all3"]), val_loss=[[10, 5.1]], final_val_loss=4.1),
+        dict(base, job="smoke/zero3@seed1235", config="zero3", seed=1235, flags=[],
+             val_loss=[[10, 5.0]], final_val_loss=4.2, val_loss_exact=[[10, 5.0]],
+             final_val_loss_exact=4.2),
+        dict(base, job="smoke/all3@seed1235", config="all3", seed=1235,
+             flags=list(S.CONFIGS["all3"]), val_loss=[[10, 5.2]], final_val_loss=4.242,
+             val_loss_exact=[[10, 5.1]], final_val_loss_exact=4.221)]
+    exact = S.exact_weights(rows)
+    assert [(r["config"], r["seed"], r["final_val_loss"]) for r in exact] == [
+        ("zero3", 1234, 4.0), ("zero3", 1235, 4.2), ("all3", 1235, 4.221)]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert S.main(["table", "--results", str(results), "--study", "smoke"]) == 0
+    out = capsys.readouterr().out
+    head, tail = out.split("evaluated with the exact 16-bit weights")
+    assert "| all3 | 1234: 4.1000, 1235: 4.2420 |" in head
+    assert "seeds [1234, 1235]" in tail and "| all3 | 1235: 4.2210 |" in tail
+    assert "+0.500 %" in tail  # 4.221 / 4.2 - 1, paired with zero3 of seed 1235
+    rows = [r for r in rows if "final_val_loss_exact" not in r]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    S.main(["table", "--results", str(results), "--study", "smoke"])
+    assert "exact 16-bit" not in capsys.readouterr().out  # control: no exact evaluation, no table
