@@ -50,7 +50,7 @@ fi
 if [ "${RECHECK:-1}" = 1 ]; then
     # A rerun of the study's first recorded job (100 iterations, ~1 minute): this machine and
     # commit must log its numbers, or the jobs below would not pair with the recorded ones.
-    python3 benchmarks/lab_study.py recheck --study "$STUDY" --iters 100 --data-dir /tmp/lab_data \
+    python3 benchmarks/lab_study.py recheck --study "$STUDY" --data-dir /tmp/lab_data \
         --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$OUT" \
         --commit "$COMMIT" > "$OUT/recheck.txt" 2>&1
     rc=$?

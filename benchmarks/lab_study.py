@@ -95,9 +95,10 @@ NODES, RANKS_PER_NODE = 2, 2
 # Every validation twice over the same batches: with the weights training's forward gathers
 # (qwZ-quantized where qwZ is on; the study's validation loss) and with the exact 16-bit
 # weights a checkpoint holds, to tell what quantized evaluation costs from what training lost.
-# Training computes the same bits either way (tests/test_eval_weights.py). Jobs recorded before
-# 2026-12-05 20:00 UTC evaluated the gathered weights only.
+# Training computes the same bits either way (tests/test_eval_weights.py). The first three jobs
+# (seed 1234's zero3, all3 and qwz+hpz at 125M, 2026-12-05) evaluated the gathered weights only.
 EVAL_WEIGHTS = "both"
+RECHECK_ITERS = 100  # a lease's recheck: ~1 minute at 125M
 SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
               global_batch_size=8, eval_interval=10, eval_iters=2)
 """A CPU-sized study for the driver's own test."""
@@ -411,12 +412,13 @@ def compare_to_record(rec: dict, history: dict, iters: int) -> dict:
 
 
 def recheck(args) -> int:
-    """Rerun the first ``--iters`` iterations of a recorded job (``--job``, or the study's
-    first in the results file) on this machine and this commit, and compare its log with the
-    record (:func:`compare_to_record`). A study pairs jobs that ran in different leases, at
-    different commits and on whichever GPU model the lease had: if a rerun is not identical,
-    later jobs would not pair with the earlier ones. Writes ``recheck.json`` to ``--out``;
-    exit code 0 identical (or nothing recorded yet to rerun), 3 different."""
+    """Rerun the first ``--iters`` iterations (default :data:`RECHECK_ITERS`) of a recorded
+    job (``--job``, or the study's first in the results file) on this machine and this commit,
+    and compare its log with the record (:func:`compare_to_record`). A study pairs jobs that
+    ran in different leases, at different commits and on whichever GPU model the lease had: if
+    a rerun is not identical, later jobs would not pair with the earlier ones. Writes
+    ``recheck.json`` to ``--out``; exit code 0 identical (or nothing recorded yet to rerun),
+    3 different."""
     results = read_results(args.results)
     mine = [k for k, r in results.items() if r["study"] == args.study]
     key = args.job or (mine[0] if mine else None)
@@ -427,8 +429,9 @@ def recheck(args) -> int:
         raise ValueError(f"--job {key} is not in {args.results} (recorded: {sorted(results)})")
     rec = results[key]
     study = SMOKE if rec["study"] == "smoke" else STUDIES[rec["study"]]
-    if args.iters < 10 or args.iters % 10 or args.iters > rec["iters"]:
-        raise ValueError(f"--iters {args.iters}: a multiple of 10 (the log interval) up to "
+    iters = min(RECHECK_ITERS, rec["iters"]) if args.iters is None else args.iters
+    if iters < 10 or iters % 10 or iters > rec["iters"]:
+        raise ValueError(f"--iters {iters}: a multiple of 10 (the log interval) up to "
                          f"the job's {rec['iters']}")
     if list(CONFIGS[rec["config"]]) != rec["flags"]:
         raise ValueError(f"{key} ran with {rec['flags']}, {rec['config']} is now "
@@ -444,14 +447,14 @@ def recheck(args) -> int:
     entry = {"dir": job_dir, "flags": job_flags(study, rec["config"], rec["seed"],
                                                 args.data_dir, job_dir,
                                                 rec["micro_batch_size"])
-             + ["--exit-interval", str(args.iters)]}
+             + ["--exit-interval", str(iters)]}
     rc = _launch(entry).wait()
     name = os.path.basename(job_dir)
     verdict = compare_to_record(rec, G.collect(os.path.dirname(job_dir), [name])[name],
-                                args.iters)
-    out = {"job": key, "iters": args.iters, "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                   time.gmtime()),
-           "device": _device(), "commit": args.commit, "gpu_sharing": entry["gpu_sharing"],
+                                iters)
+    out = {"job": key, "iters": iters,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": _device(),
+           "commit": args.commit, "gpu_sharing": entry["gpu_sharing"],
            "recorded": {k: rec.get(k) for k in ("device", "commit", "gpu_sharing")},
            "returncode": rc, **verdict}
     os.makedirs(args.out, exist_ok=True)
@@ -678,7 +681,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                        "compare them with its record")
     c.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
     c.add_argument("--job", default=None, help="its key (default: the study's first recorded)")
-    c.add_argument("--iters", type=int, default=100)
+    c.add_argument("--iters", type=int, default=None,
+                   help=f"iterations to rerun (default {RECHECK_ITERS}, or the job's schedule if "
+                   "shorter)")
     c.add_argument("--results", required=True)
     c.add_argument("--data-dir", required=True)
     c.add_argument("--run-dir", required=True)
