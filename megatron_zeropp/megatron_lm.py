@@ -192,15 +192,17 @@ class MegatronLMZeroPP(ZeroPPDataParallel):
         super().start_param_sync(*unused, force_sync=force_sync or not torch.cuda.is_available(),
                                  force_dispatch=force_dispatch)
 
-    def qgz_error_measured(self, iteration: int, report: dict) -> None:
-        """``--zeropp-qgz-error-interval``: one line per measured iteration, from the first
-        rank of each data-parallel group's tensor-parallel group 0 (Megatron-LM's loop reads
-        no report; this project's ``pretrain_gpt.py`` puts it on its training line)."""
+    def error_measured(self, what: str, iteration: int, report: dict) -> None:
+        """``--zeropp-qgz-error-interval``, ``--zeropp-qwz-error-interval``: one line per
+        measured iteration, from the first rank of each data-parallel group's tensor-parallel
+        group 0 (Megatron-LM's loop reads no report; this project's ``pretrain_gpt.py`` puts
+        it on its training line)."""
         from megatron.core import parallel_state
 
         if self.comm.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             worst = max(report["units"], key=report["units"].get)
-            print(f"> ZeRO++ qgZ relative error at iteration {iteration}: "
+            name = {"qgz": "qgZ", "qwz": "qwZ weight"}[what]
+            print(f"> ZeRO++ {name} relative error at iteration {iteration}: "
                   f"{report['total']:.4e} (largest: {worst} {report['units'][worst]:.4e})",
                   flush=True)
 

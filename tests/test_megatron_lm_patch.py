@@ -139,13 +139,15 @@ def test_flags_are_the_config_fields_and_the_projects_names():
     # the node size: one flag, the same in both front doors
     options = {o: a for a in parser._actions for o in a.option_strings}
     assert options["--ranks-per-node"].type is int and "--zeropp-ranks-per-node" not in options
-    # The project's own pretrain_gpt.py spells them the same (its --zeropp-qgz-error-log writes
-    # a file from its loop, which Megatron-LM's does not run).
+    # The project's own pretrain_gpt.py spells them the same (its --zeropp-qgz-error-log and
+    # --zeropp-qwz-error-log write files from its loop, and --zeropp-eval-weights chooses how
+    # its loop evaluates; Megatron-LM's loop is its own).
     from megatron_zeropp.training.arguments import build_parser
 
     ours = {o for a in build_parser()._actions for o in a.option_strings
             if o.startswith("--zeropp-")}
-    assert ours - {"--zeropp-qgz-error-log"} <= flags
+    assert ours - {"--zeropp-qgz-error-log", "--zeropp-qwz-error-log",
+                   "--zeropp-eval-weights"} <= flags
     assert "--ranks-per-node" in {o for a in build_parser()._actions for o in a.option_strings}
 
 

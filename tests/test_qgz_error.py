@@ -188,11 +188,11 @@ def _report_behind_a_queued_gather(ctx, raw):
     import torch.distributed as dist
 
     from megatron_zeropp.comm.work import run_protocol
-    from megatron_zeropp.sharding.qgz_error import QgzErrorMeter
+    from megatron_zeropp.sharding.error_meter import ErrorMeter
     from megatron_zeropp.topology import build_process_groups
 
     groups = build_process_groups(ctx.topology())
-    meter = QgzErrorMeter()
+    meter = ErrorMeter("qgz")
     meter.add("unit", torch.ones(4), torch.full((4,), 2.0))
     mine = torch.full((8,), float(ctx.rank))
     gathered = torch.empty(8 * ctx.world_size)

@@ -35,7 +35,7 @@ SUPPORTED_FLAGS = sorted("""
 --zeropp-qgz-stochastic-rounding --no-zeropp-qgz-stochastic-rounding
 --zeropp-qwz-stochastic-rounding --zeropp-rounding-seed
 --zeropp-qwz-diff-bits --zeropp-qwz-diff-exact-interval --zeropp-qgz-hadamard-seed
---zeropp-eval-weights
+--zeropp-eval-weights --zeropp-qwz-error-interval --zeropp-qwz-error-log
 """.split())
 
 MEGATRON_LM_FLAGS = sorted("""
@@ -122,7 +122,8 @@ def test_zeropp_flags_are_the_same_here_and_in_a_patched_megatron_lm():
     shared = set(ours) & set(theirs)
     assert len(shared) >= 20 and all(ours[o] == theirs[o] for o in shared)
     # only the entry points' own extras differ (Megatron-LM's evaluate() is its own)
-    assert set(ours) - shared == {"--zeropp-qgz-error-log", "--zeropp-eval-weights"}
+    assert set(ours) - shared == {"--zeropp-qgz-error-log", "--zeropp-qwz-error-log",
+                                  "--zeropp-eval-weights"}
     assert set(theirs) - shared == {"--zeropp-zero3"}
     assert ours["--zeropp-qwz-bits"] == (int, 8, (4, 8), None)
 
@@ -182,6 +183,10 @@ def test_bf16_reduces_gradients_in_fp32_unless_asked_as_megatron_lm():
         (["--zeropp-qgz-hadamard"], 1, "--zeropp-qgz-hadamard=True needs qgZ, which is off"),
         (["--zeropp-qgz", "--zeropp-qgz-error-log", "e.jsonl"], 1,
          "--zeropp-qgz-error-log e.jsonl needs --zeropp-qgz-error-interval > 0, got 0"),
+        (["--zeropp-qwz-error-interval", "5"], 1,
+         "--zeropp-qwz-error-interval=5 measures qwZ, which is off"),
+        (["--zeropp-qwz", "--zeropp-qwz-error-log", "w.jsonl"], 1,
+         "--zeropp-qwz-error-log w.jsonl needs --zeropp-qwz-error-interval > 0, got 0"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--data-path", "x"], 1, "exactly one data source"),
         (["--ranks-share-gpu", "--distributed-backend", "nccl"], 2,

@@ -82,6 +82,12 @@ class ZeroPPConfig:
     """Every this many iterations (and on iteration 1) measure each unit's relative error of the
     qgZ reduction against an extra, uncounted fp32 reduction of the same gradients
     (:mod:`.qgz_error`); 0 = never. Needs ``qgz``."""
+    qwz_error_interval: int = 0
+    """Every this many iterations (and on iteration 1) measure each unit's relative error of
+    the weights its forward computes with (qwZ-quantized, or the qwZ difference
+    reconstruction) against the exact 16-bit weights: every rank compares its own chunk of
+    the gathered weights with its primary shard, one all-reduce sums the units over the DP
+    group; 0 = never. Needs ``qwz``. Reads only: training computes the same bits."""
     qgz_error_feedback: bool = False
     """Error feedback for qgZ: each rank keeps, per bucket, the fp32 residual of what it
     quantized (hop 1's input, and hop 2's requantized node partials) and adds it to the next
@@ -141,6 +147,12 @@ class ZeroPPConfig:
         if self.qgz_error_interval and not self.qgz:
             raise ValueError(f"qgz_error_interval={self.qgz_error_interval} measures qgZ, "
                              "which is off (qgz=False)")
+        interval = self.qwz_error_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+            raise ValueError(f"qwz_error_interval must be an int >= 0, got {interval!r}")
+        if interval and not self.qwz:
+            raise ValueError(f"qwz_error_interval={interval} measures qwZ, which is off "
+                             "(qwz=False)")
         if self.qgz_error_feedback and not self.qgz:
             raise ValueError("qgz_error_feedback=True needs qgZ, which is off (qgz=False)")
         if self.qgz_hadamard and not self.qgz:

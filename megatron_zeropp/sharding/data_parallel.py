@@ -184,7 +184,8 @@ class ZeroPPDataParallel(BaseDataParallel):
         self.clock = StepClock(zeropp, groups.dp_ranks.index(dist.get_rank()), train_iters,
                                chunk_index)
         self.comm = ShardComm(zeropp, groups, topology, self.clock)
-        self._qgz_error: Optional[dict] = None  # the last measured iteration's report
+        # the last measured iteration's report of each diagnostic ("qgz", "qwz"), until read
+        self._error_reports: Dict[str, dict] = {}
         self._rank_state_loaded = True  # False from load_state_dict to load_rank_state
         self._residuals_at_start = None  # qgZ residuals as this iteration found them (reruns)
         self.weight_version = 0
@@ -383,8 +384,8 @@ class ZeroPPDataParallel(BaseDataParallel):
         self.schedule.end_step()
         self.release_all()
         self.comm.check_stale()
-        if self.clock.measure_qgz_error:
-            self._report_qgz_error()
+        for what in self._measured_errors():
+            self._report_error(what)
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """The optimizer wrote new primary shards: weights of the next forward are a new
@@ -422,8 +423,8 @@ class ZeroPPDataParallel(BaseDataParallel):
         rerun = reruns_current_iteration()
         self.clock.begin_iteration(rerun=rerun)
         self._keep_iteration_start(rerun)
-        if self.clock.measure_qgz_error:
-            self.comm.qgz_error.reset()
+        for what in self._measured_errors():
+            self._meter(what).reset()
 
     def _keep_iteration_start(self, rerun: bool) -> None:
         """While megatron-core's rerun state machine may re-run an iteration in place, keep the
@@ -595,25 +596,38 @@ class ZeroPPDataParallel(BaseDataParallel):
                   f"{self.clock.iterations_begun + 1}, qgZ residuals start at zero, the first "
                   f"gathers are exact", flush=True)
 
-    def _report_qgz_error(self) -> None:
-        """The end of a measured iteration's gradient sync: the qgZ error over the DP group (one
-        all-reduce, through the reduction lane; every DP rank gets here)."""
-        report = self.comm.qgz_error.report([u.name for u in self.units], self.comm.dp_group)
-        if report is not None:
-            self._qgz_error = report
-            self.qgz_error_measured(self.clock.iteration + 1, report)
+    def _meter(self, what: str):
+        return self.comm.qgz_error if what == "qgz" else self.comm.qwz_error
 
-    def qgz_error_measured(self, iteration: int, report: dict) -> None:
-        """Called on every DP rank with each measured iteration's report (1-based
-        ``iteration``); nothing here: the loop reads :meth:`qgz_error_report`, a subclass may
-        print it."""
+    def _measured_errors(self) -> List[str]:
+        """The error diagnostics this iteration measures (``qgz_error_interval``,
+        ``qwz_error_interval``)."""
+        return [what for what, on in (("qgz", self.clock.measure_qgz_error),
+                                      ("qwz", self.clock.measure_qwz_error)) if on]
+
+    def _report_error(self, what: str) -> None:
+        """The end of a measured iteration's gradient sync: diagnostic ``what`` over the DP
+        group (one all-reduce, through the reduction lane; every DP rank gets here)."""
+        report = self._meter(what).report([u.name for u in self.units], self.comm.dp_group)
+        if report is not None:
+            self._error_reports[what] = report
+            self.error_measured(what, self.clock.iteration + 1, report)
+
+    def error_measured(self, what: str, iteration: int, report: dict) -> None:
+        """Called on every DP rank with each measured iteration's report of diagnostic
+        ``what`` (``"qgz"``, ``"qwz"``; 1-based ``iteration``); nothing here: the loop reads
+        :meth:`qgz_error_report` and :meth:`qwz_error_report`, a subclass may print it."""
 
     def qgz_error_report(self) -> Optional[dict]:
         """After a step measured by the qgZ error diagnostic: ``{"units": {unit name:
         relative error}, "total": relative error}`` over this DP group, once; ``None`` on
         other steps. No collective (the report was reduced at the step's gradient sync)."""
-        report, self._qgz_error = self._qgz_error, None
-        return report
+        return self._error_reports.pop("qgz", None)
+
+    def qwz_error_report(self) -> Optional[dict]:
+        """As :meth:`qgz_error_report`, for the qwZ weight error (``qwz_error_interval``):
+        each unit's relative error of the weights its forward computed with."""
+        return self._error_reports.pop("qwz", None)
 
     # -- reporting ------------------------------------------------------------------------
     def comm_counts(self, reset: bool = True) -> dict:

@@ -25,7 +25,8 @@ from megatron_zeropp.comm import (
 from megatron_zeropp.comm.work import run_protocol
 
 from .config import ZeroPPConfig
-from .qgz_error import QgzErrorMeter, exact_chunk
+from .error_meter import ErrorMeter
+from .qgz_error import exact_chunk
 from .step_clock import StepClock
 
 PHASES = ("forward", "backward", "grad")
@@ -52,7 +53,8 @@ class ShardComm:
                              f"{self.dp_rank}")
         self.stats: Dict[str, CommStats] = {p: CommStats(topology) for p in PHASES}
         # The qgZ error diagnostic: measured on the iterations the clock picks.
-        self.qgz_error = QgzErrorMeter() if config.qgz_error_interval else None
+        self.qgz_error = ErrorMeter("qgz") if config.qgz_error_interval else None
+        self.qwz_error = ErrorMeter("qwz") if config.qwz_error_interval else None
         self._stale_flags: Dict[torch.device, torch.Tensor] = {}
         self.holders = _hpz_holders(topology, groups, config) if config.qwz_diff_bits else None
 

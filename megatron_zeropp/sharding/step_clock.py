@@ -13,7 +13,7 @@ megatron-core's schedules already make:
   rerun rounds exactly as the run it checks;
 * **the per-step switches**: qgZ on or off (``qgz_fraction`` of ``train_iters``, the cutoff given
   once, at construction) and whether this iteration measures the qgZ error
-  (``qgz_error_interval``);
+  (``qgz_error_interval``) or the qwZ weight error (``qwz_error_interval``);
 * **the stochastic-rounding keys** and their counters: qgZ's (iteration, the bucket's reduction
   count within it), qwZ's (the count of weight updates, which a resumed run restores, instead
   of the layer's weight version, which a load bumps), qwZ differences' (the unit's count of
@@ -113,6 +113,14 @@ class StepClock:
         interval = self.config.qgz_error_interval
         n = self.iteration + 1
         return bool(interval) and self.qgz_active and (n == 1 or n % interval == 0)
+
+    @property
+    def measure_qwz_error(self) -> bool:
+        """Whether this iteration measures the qwZ weight error (``qwz_error_interval``), on
+        the same iterations as :attr:`measure_qgz_error` counts them."""
+        interval = self.config.qwz_error_interval
+        n = self.iteration + 1
+        return bool(interval) and (n == 1 or n % interval == 0)
 
     # -- stochastic-rounding keys --------------------------------------------------------------
     def register_bucket(self) -> int:

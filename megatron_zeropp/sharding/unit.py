@@ -109,6 +109,7 @@ class ShardedUnit:
         self.version: Optional[int] = None  # weight version of the gathered data
         self._handles: list = []
         self._refresh_after_wait = False
+        self._gather_phase: Optional[str] = None
         self.users = 0
         self.in_backward = False  # acquired by a backward pass, released by its last grad
         self.grads_pending: set = set()
@@ -253,6 +254,7 @@ class ShardedUnit:
             self._handles = [h for h in handles if h is not None]
             refresh = sec is not None and phase != "exact"
         self._refresh_after_wait = refresh
+        self._gather_phase = phase
         self.state = UnitState.GATHERING
         self.version = version
 
@@ -286,6 +288,20 @@ class ShardedUnit:
         if self._refresh_after_wait:
             self._refresh_after_wait = False
             self.secondary.refresh([b.param_data for b in self.buckets], self.version)
+        self._measure_qwz_error()
+
+    def _measure_qwz_error(self) -> None:
+        # qwz_error_interval: this rank's chunk of what the forward computes with (every gather
+        # of a step gives the same bits: the first one measured is the step's) against the
+        # primary shard it came from; reads only.
+        meter = self.comm.qwz_error
+        if (meter is None or self._gather_phase != "forward"
+                or not self.comm.clock.measure_qwz_error or self.name in meter.measured()):
+            return
+        r = self.comm.dp_rank
+        for bucket, shard in zip(self.buckets, self.shards):
+            n = shard.numel()
+            meter.add(self.name, bucket.param_data.view(-1)[r * n : (r + 1) * n], shard)
 
     def ensure(self, version: int, phase: str) -> None:
         """Make the full weights of ``version`` present (gather now if needed)."""

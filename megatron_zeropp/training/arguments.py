@@ -170,6 +170,10 @@ def _zeropp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zeropp-qgz-error-log", default=None, metavar="PATH",
                    help="with --zeropp-qgz-error-interval: rank 0 appends one JSON line per "
                    "measured iteration (per-layer and total relative error) to PATH")
+    g.add_argument("--zeropp-qwz-error-log", default=None, metavar="PATH",
+                   help="with --zeropp-qwz-error-interval: rank 0 appends one JSON line per "
+                   "measured iteration (per-layer and total relative error of the weights the "
+                   "forward computed with) to PATH")
     g.add_argument("--zeropp-eval-weights", choices=EVAL_WEIGHTS, default="gathered",
                    help="the weights evaluations compute with: gathered = as training's forward "
                    "gathers them (qwZ-quantized when --zeropp-qwz is on, as DeepSpeed's ZeRO++ "
@@ -325,6 +329,9 @@ def validate(args, world_size: int) -> List[str]:
     if args.zeropp_qgz_error_log is not None and not args.zeropp_qgz_error_interval:
         errors.append(f"--zeropp-qgz-error-log {args.zeropp_qgz_error_log} needs "
                       f"--zeropp-qgz-error-interval > 0, got {args.zeropp_qgz_error_interval}")
+    if args.zeropp_qwz_error_log is not None and not args.zeropp_qwz_error_interval:
+        errors.append(f"--zeropp-qwz-error-log {args.zeropp_qwz_error_log} needs "
+                      f"--zeropp-qwz-error-interval > 0, got {args.zeropp_qwz_error_interval}")
     errors += validate_profile_args(args)
     errors += arg_checks.shared_gpu_errors(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:

@@ -27,6 +27,7 @@ PER_NODE = frozenset({
     "data_cache_path",  # megatron-core's index cache: often node-local scratch
     "tensorboard_dir",  # written by the last rank only
     "zeropp_qgz_error_log",  # written by rank 0 only
+    "zeropp_qwz_error_log",
     "profile_dir",  # each profiled rank's own output
 })
 """Fields that may differ between ranks; every other parsed argument must agree."""

@@ -78,6 +78,7 @@ def training_log_line(
     log_throughput: bool = True, num_zeros: Optional[float] = None,
     params_norm: Optional[float] = None, decoupled_lr: Optional[float] = None,
     qgz_error: Optional[float] = None,
+    qwz_error: Optional[float] = None,
 ) -> str:
     """One Megatron-LM training line (its fields, order and formats; throughput only with
     --log-throughput, num zeros / params norm when asked); our fields come after
@@ -113,6 +114,8 @@ def training_log_line(
     ]
     if qgz_error is not None:
         parts.append(f"qgz relative error: {qgz_error:.4E}")
+    if qwz_error is not None:
+        parts.append(f"qwz relative error: {qwz_error:.4E}")
     parts += [
         f"tokens per second: {tokens_per_s:.1f}",
         f"peak memory (GB): {peak_memory_gb():.3f}",

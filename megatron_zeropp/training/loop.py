@@ -26,6 +26,7 @@ from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
 
 from . import model_chunks as layer
 from .arguments import parse_args, print_args
+from .error_log import append_error
 from .fallbacks import fallback_summary, silence_fallback_warnings
 from .flag_agreement import check as check_same_flags
 from .flag_agreement import compared as compared_flags
@@ -46,7 +47,6 @@ from .model import (
 )
 from .nan_check import check_finite
 from .profiling import IterationProfiler
-from .qgz_error_log import append_qgz_error
 from .run_control import BatchRamp, ExitClock, ManualGC, SignalExit, params_norm
 
 
@@ -359,7 +359,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         dp_rank, dp_size, consumed, device, len(chunks))
     board = TensorBoard(args.tensorboard_dir if rank == world - 1 else None, args)
     history = {"loss": [], "grad_norm": [], "skipped": [], "val_loss": [], "iterations": [],
-               "final_val_loss": [], "test_loss": [], "qgz_error": [],
+               "final_val_loss": [], "test_loss": [], "qgz_error": [], "qwz_error": [],
                # --zeropp-eval-weights both: the exact weights' evaluations
                "val_loss_exact": [], "final_val_loss_exact": [], "test_loss_exact": []}
     stats = IntervalStats()
@@ -398,10 +398,13 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
         consumed += batch
         # A collective on measured iterations (every DP rank), nothing on the others.
         qgz_error = layer.qgz_error_report(chunks)
-        if qgz_error is not None:
-            history["qgz_error"].append((iteration, qgz_error["total"]))
-            if rank == 0 and args.zeropp_qgz_error_log:
-                append_qgz_error(args.zeropp_qgz_error_log, iteration, qgz_error)
+        qwz_error = layer.qwz_error_report(chunks)
+        for what, report, path in (("qgz_error", qgz_error, args.zeropp_qgz_error_log),
+                                   ("qwz_error", qwz_error, args.zeropp_qwz_error_log)):
+            if report is not None:
+                history[what].append((iteration, report["total"]))
+                if rank == 0 and path:
+                    append_error(path, iteration, report)
         stats.iterations += 1
         stats.skipped += int(result.skipped)
         # As Megatron-LM's training_log: a skipped step's loss is not averaged (a non-finite one
@@ -445,7 +448,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                                    log_throughput=args.log_throughput,
                                    num_zeros=result.num_zeros, params_norm=norm,
                                    decoupled_lr=_decoupled_lr(args, optimizer),
-                                   qgz_error=qgz_error["total"] if qgz_error else None))
+                                   qgz_error=qgz_error["total"] if qgz_error else None,
+                                   qwz_error=qwz_error["total"] if qwz_error else None))
             if not first_line or iteration % args.log_interval == 0:
                 stats = IntervalStats()
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from megatron_zeropp.comm.accounting import StepCounts
 from megatron_zeropp.sharding import ZeroPPDataParallel
-from megatron_zeropp.sharding.qgz_error import combined_report
+from megatron_zeropp.sharding.error_meter import combined_report
 
 
 def zero_chunks(chunks) -> List[ZeroPPDataParallel]:
@@ -57,3 +57,12 @@ def qgz_error_report(chunks) -> Optional[dict]:
     if not zero:
         return None
     return combined_report([c.qgz_error_report() for c in zero])
+
+
+def qwz_error_report(chunks) -> Optional[dict]:
+    """The qwZ weight error diagnostic of a measured step over all chunks, as
+    :func:`qgz_error_report`."""
+    zero = zero_chunks(chunks)
+    if not zero:
+        return None
+    return combined_report([c.qwz_error_report() for c in zero])
