@@ -212,7 +212,8 @@ def run_all(run: GpuRun, grace_s: float = 120.0, echo=print,
             _kill_group(p)
 
 
-def _qgz_errors(path: str) -> List[dict]:
+def _error_lines(path: str) -> List[dict]:
+    """The JSON lines of --zeropp-qgz-error-log / --zeropp-qwz-error-log (none: [])."""
     import json
 
     if not os.path.exists(path):
@@ -225,7 +226,8 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
     """Curves of each configuration from its accumulated log (a resumed iteration's later line
     wins): ``iterations, loss, grad_norm, ms, time (the lines' stamps, POSIX seconds, or None),
     val_loss [(it, loss)], final_val_loss, val_loss_exact, final_val_loss_exact (the exact
-    weights' evaluations, ``--zeropp-eval-weights both``), qgz_error``."""
+    weights' evaluations, ``--zeropp-eval-weights both``), qgz_error, qwz_error`` (the
+    diagnostics' JSON lines, if the job wrote them beside its log)."""
     out = {}
     for name in names:
         path = os.path.join(run_dir, name, "train.log")
@@ -258,6 +260,7 @@ def collect(run_dir: str, names: Sequence[str]) -> Dict[str, dict]:
             "final_val_loss": sorted(finals.items()),
             "val_loss_exact": sorted(vals_exact.items()),
             "final_val_loss_exact": sorted(finals_exact.items()),
-            "qgz_error": _qgz_errors(os.path.join(run_dir, name, "qgz_error.jsonl")),
+            "qgz_error": _error_lines(os.path.join(run_dir, name, "qgz_error.jsonl")),
+            "qwz_error": _error_lines(os.path.join(run_dir, name, "qwz_error.jsonl")),
         }
     return out

@@ -99,6 +99,22 @@ NODES, RANKS_PER_NODE = 2, 2
 # (seed 1234's zero3, all3 and qwz+hpz at 125M, 2026-12-05) evaluated the gathered weights only.
 EVAL_WEIGHTS = "both"
 RECHECK_ITERS = 100  # a lease's recheck: ~1 minute at 125M
+
+
+def diagnostic_flags(config: str, interval: int, job_dir: str) -> List[str]:
+    """The per-layer error diagnostics of a configuration's switches, every ``interval``
+    iterations (and the first), each in a JSON-lines file beside the job's log: qgZ's
+    reduction error (``--zeropp-qgz-error-interval``) and the weight error qwZ's forward
+    computes with (``--zeropp-qwz-error-interval``). They read only (training computes the
+    same bits, tests/test_qgz_error.py, tests/test_qwz_error.py); if a configuration misses
+    its target, they say which layers its error sits in. Jobs recorded before 2026-12-05's
+    second lease ran without them."""
+    flags = []
+    for switch, name in (("--zeropp-qgz", "qgz"), ("--zeropp-qwz", "qwz")):
+        if switch in CONFIGS[config]:
+            flags += [f"--zeropp-{name}-error-interval", str(interval),
+                      f"--zeropp-{name}-error-log", os.path.join(job_dir, f"{name}_error.jsonl")]
+    return flags
 SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
               global_batch_size=8, eval_interval=10, eval_iters=2)
 """A CPU-sized study for the driver's own test."""
@@ -151,7 +167,7 @@ def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str,
         "--eval-interval", str(study.eval_interval), "--eval-iters", str(study.eval_iters),
         "--data-cache-path", os.path.join(job_dir, "data_cache"), "--seed", str(seed),
         "--zeropp-eval-weights", EVAL_WEIGHTS,
-    ] + list(CONFIGS[config])
+    ] + list(CONFIGS[config]) + diagnostic_flags(config, study.eval_interval, job_dir)
 
 
 def read_results(path: str) -> Dict[str, dict]:
@@ -348,6 +364,7 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
             "final_val_loss": final, "eval_weights": evaluated,
             "val_loss_exact": [list(v) for v in h["val_loss_exact"]],
             "final_val_loss_exact": final_exact,
+            "qgz_error": h["qgz_error"], "qwz_error": h["qwz_error"],
             "last_iteration": h["iterations"][-1] if h["iterations"] else 0,
             "ms_median": statistics.median(ms) if ms else None, "seconds": wall}
 
@@ -554,6 +571,34 @@ def exact_weights(records: Sequence[dict]) -> List[dict]:
     return out
 
 
+def layer_errors(records: Sequence[dict]) -> List[str]:
+    """Per configuration and diagnostic (qwZ's weight error, qgZ's reduction error), each
+    layer's relative error as a mean over the measured iterations after the first and over
+    the seeds, largest first: where a configuration's error sits. Nothing for records without
+    the diagnostics."""
+    lines = []
+    for config in CONFIGS:
+        for what in ("qwz_error", "qgz_error"):
+            per_unit: Dict[str, List[float]] = {}
+            seeds = set()
+            for r in records:
+                if r["config"] != config or not r.get(what):
+                    continue
+                seeds.add(r["seed"])
+                for line in r[what]:
+                    if line["iteration"] > 1:  # 1: the initial weights, not what training sees
+                        for unit, v in line["units"].items():
+                            per_unit.setdefault(unit, []).append(v)
+            if not per_unit:
+                continue
+            means = sorted(((statistics.fmean(v), u) for u, v in per_unit.items()),
+                           reverse=True)
+            lines.append(f"{config}, {what.replace('_', ' ')} per layer (mean over measured "
+                         f"iterations > 1 and seeds {sorted(seeds)}): " +
+                         ", ".join(f"{u} {m:.3e}" for m, u in means))
+    return lines
+
+
 def device_notes(records: Sequence[dict]) -> List[str]:
     """Which GPU models the jobs ran on, where more than one did, and the seeds whose jobs
     did not all run on the same model: the device tool gives an H100 or an H200, and their
@@ -645,6 +690,9 @@ def table(args) -> int:
         print(f"\nthe same jobs evaluated with the exact 16-bit weights (qwZ jobs recorded "
               f"before those evaluations left out), seeds {seeds_exact}:\n")
         print(L.table(L.summary(as_results(exact), seeds_exact, at=iters)))
+    errors = layer_errors(records)
+    if errors:
+        print("\n" + "\n".join(errors))
     if args.plot:
         L.plot(results, args.plot)
     return 0

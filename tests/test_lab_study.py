@@ -348,7 +348,7 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     rerun trains all3 and differs)."""
     data, run, out = sample_dir, str(tmp_path / "run"), str(tmp_path / "out")
     results = str(tmp_path / "results.jsonl")
-    assert S.main(["start", "--study", "smoke", "--jobs", "1", "--one-at-a-time", "--data-dir",
+    assert S.main(["start", "--study", "smoke", "--jobs", "2", "--one-at-a-time", "--data-dir",
                    data, "--run-dir", run, "--results", results, "--commit", "c0"]) == 0
     _wait_for_queue(run)
     assert S.main(["poll", "--run-dir", run, "--out", out, "--data-dir", data]) == 0
@@ -356,6 +356,13 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
                    "--results", results]) == 0
     rec = S.read_results(results)["smoke/zero3@seed1234"]
     assert rec["last_iteration"] == 20 and [i for i, _ in rec["val_loss"]] == [10, 20]
+    assert rec["qgz_error"] == [] and rec["qwz_error"] == []  # nothing quantized to measure
+    all3 = S.read_results(results)["smoke/all3@seed1234"]
+    assert all3["last_iteration"] == 20 and all3["final_val_loss_exact"] is not None
+    for what in ("qgz_error", "qwz_error"):  # every validation interval, and iteration 1
+        assert [line["iteration"] for line in all3[what]] == [1, 10, 20], what
+        assert all(0 <= v < 1 for line in all3[what] for v in line["units"].values())
+        assert any(v > 0 for line in all3[what] for v in line["units"].values())
     check = ["recheck", "--study", "smoke", "--iters", "10", "--data-dir", data,
              "--run-dir", str(tmp_path / "re"), "--out", out, "--commit", "c1"]
     assert S.main(check + ["--results", results]) == 0
@@ -416,3 +423,26 @@ def test_exact_weights_table(tmp_path, capsys):
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     S.main(["table", "--results", str(results), "--study", "smoke"])
     assert "exact 16-bit" not in capsys.readouterr().out  # control: no exact evaluation, no table
+
+
+def test_diagnostics_follow_the_switches():
+    assert S.diagnostic_flags("zero3", 100, "d") == []
+    assert S.diagnostic_flags("qwz+hpz", 100, "d") == [
+        "--zeropp-qwz-error-interval", "100", "--zeropp-qwz-error-log", "d/qwz_error.jsonl"]
+    assert S.diagnostic_flags("all3+diff4", 10, "d") == [
+        "--zeropp-qgz-error-interval", "10", "--zeropp-qgz-error-log", "d/qgz_error.jsonl",
+        "--zeropp-qwz-error-interval", "10", "--zeropp-qwz-error-log", "d/qwz_error.jsonl"]
+
+
+def test_layer_errors_rank_the_layers_over_iterations_and_seeds():
+    def rec(seed, lines):
+        return {"config": "all3", "seed": seed, "qwz_error": lines, "qgz_error": []}
+
+    rows = [rec(1, [{"iteration": 1, "units": {"a": 9.0, "b": 9.0}},  # left out: iteration 1
+                    {"iteration": 100, "units": {"a": 1e-3, "b": 4e-3}}]),
+            rec(2, [{"iteration": 100, "units": {"a": 3e-3, "b": 2e-3}}]),
+            {"config": "zero3", "seed": 1, "qwz_error": [], "qgz_error": []}]
+    assert S.layer_errors(rows) == [
+        "all3, qwz error per layer (mean over measured iterations > 1 and seeds [1, 2]): "
+        "b 3.000e-03, a 2.000e-03"]
+    assert S.layer_errors(rows[2:]) == []  # control: no diagnostic, no line
