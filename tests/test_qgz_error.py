@@ -9,7 +9,6 @@ sum_{i in node} m_i, so it adds at most sum_i m_i / (2q) more. Over the n elemen
 ||qgz - exact|| <= sqrt(n) * sum_i m_i / q (fp32 rounding of the sums is far below this).
 """
 
-import json
 import math
 
 import pytest
@@ -142,43 +141,6 @@ def test_training_is_bit_exact_with_the_diagnostic(shard_grads):
         assert 0 < r["total"] < 1 and all(0 < v < 1 for v in r["units"].values())
         assert len(r["units"]) > 1
     assert all(o[2] == reports for o in on)
-
-
-# -- pretrain_gpt.py: the JSON lines and the log field -------------------------------------------
-def test_log_line_field():
-    from megatron_zeropp.training.logging_utils import IntervalStats, training_log_line
-
-    line = training_log_line(3, 10, 24, IntervalStats(iterations=1, seconds=1.0), 1e-3, 8,
-                             1.0, 1.0, 1e9, 4, 512, qgz_error=0.012345)
-    assert "| qgz relative error: 1.2345E-02 |" in line
-    assert "qgz" not in training_log_line(3, 10, 24, IntervalStats(), 1e-3, 8, 1.0, 1.0,
-                                          1e9, 4, 512)
-
-
-def _pretrain(ctx, argv):
-    from megatron_zeropp.training.loop import pretrain
-
-    return pretrain(argv)["qgz_error"]
-
-
-def test_pretrain_writes_one_json_line_per_measured_iteration(tmp_path):
-    from megatron_zeropp.data.sample_corpus import prepare_sample_data
-
-    sample = str(tmp_path / "sample")
-    prepare_sample_data(sample)
-    log = tmp_path / "qgz_error.jsonl"
-    argv = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-            f"--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters 4 "
-            f"--log-interval 1 --eval-interval 1000 --eval-iters 0 --sample-data {sample} "
-            f"--ranks-per-node 2 --zeropp-qgz --zeropp-qgz-error-interval 2 "
-            f"--zeropp-qgz-error-log {log}").split()
-    out = run_distributed(_pretrain, 2, 2, args=(argv,))
-    lines = [json.loads(s) for s in log.read_text().splitlines()]
-    assert [d["iteration"] for d in lines] == [1, 2, 4]
-    assert [(d["iteration"], d["total"]) for d in lines] == out[0]
-    for d in lines:
-        assert 0 < d["total"] < 1
-        assert any("layers.1" in name for name in d["units"]), d["units"]
 
 
 # -- the report's all-reduce keeps program order behind queued gathers (CPU) ---------------------

@@ -116,33 +116,3 @@ def test_config_refuses_bad_intervals():
         with pytest.raises(ValueError, match="qwz_error_interval must be an int >= 0"):
             ZeroPPConfig(qwz=True, qwz_error_interval=bad)
     assert ZeroPPConfig(qwz=True, qwz_error_interval=5).qwz_error_interval == 5
-
-
-def _pretrain(ctx, argv):
-    from megatron_zeropp.training.loop import pretrain
-
-    return pretrain(argv)["qwz_error"]
-
-
-def test_pretrain_logs_the_error_and_writes_one_json_line_per_measured_iteration(tmp_path,
-                                                                                 sample_dir):
-    import json
-
-    from megatron_zeropp.training.logging_utils import IntervalStats, training_log_line
-
-    log = tmp_path / "qwz_error.jsonl"
-    argv = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-            f"--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --train-iters 4 "
-            f"--log-interval 1 --eval-interval 1000 --eval-iters 0 --sample-data {sample_dir} "
-            f"--ranks-per-node 2 --zeropp-qwz --zeropp-hpz --zeropp-qwz-error-interval 2 "
-            f"--zeropp-qwz-error-log {log} --zeropp-small-param-threshold 0").split()
-    out = run_distributed(_pretrain, 2, 2, args=(argv,))
-    lines = [json.loads(s) for s in log.read_text().splitlines()]
-    assert [d["iteration"] for d in lines] == [1, 2, 4]
-    assert [(d["iteration"], d["total"]) for d in lines] == out[0]
-    for d in lines:
-        assert 0 < d["total"] <= math.sqrt(256) / 254
-        assert any("layers.1" in name for name in d["units"]), d["units"]
-    line = training_log_line(3, 10, 24, IntervalStats(iterations=1, seconds=1.0), 1e-3, 8,
-                             1.0, 1.0, 1e9, 4, 512, qwz_error=0.0012345)
-    assert "| qwz relative error: 1.2345E-03 |" in line

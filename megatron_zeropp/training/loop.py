@@ -396,7 +396,7 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
             check_finite(iteration, result.loss, result.grad_norm, result.skipped,
                          dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += batch
-        # A collective on measured iterations (every DP rank), nothing on the others.
+        # The diagnostics of a measured iteration (reduced over DP at its gradient sync).
         qgz_error = layer.qgz_error_report(chunks)
         qwz_error = layer.qwz_error_report(chunks)
         for what, report, path in (("qgz_error", qgz_error, args.zeropp_qgz_error_log),
