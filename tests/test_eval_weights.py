@@ -37,12 +37,12 @@ def _run(sample_dir, config, weights):
 @pytest.fixture(scope="module")
 def runs(sample_dir):
     wanted = {"zero3": ("both",), "qwz+hpz": ("gathered", "both", "exact"),
-              "all3+diff4": ("gathered", "both")}
+              "all3+diff4": ("gathered", "both", "exact")}
     return {(c, w): _run(sample_dir, c, w) for c, ws in wanted.items() for w in ws}
 
 
 @pytest.mark.parametrize("config, other", [("qwz+hpz", "both"), ("qwz+hpz", "exact"),
-                                           ("all3+diff4", "both")])
+                                           ("all3+diff4", "both"), ("all3+diff4", "exact")])
 def test_training_computes_the_same_bits_whatever_the_evaluation_gathered(runs, config, other):
     base, run = runs[(config, "gathered")], runs[(config, other)]
     assert len(base["loss"]) == 6 and run["loss"] == base["loss"]
@@ -60,8 +60,9 @@ def test_both_logs_the_gathered_loss_and_the_exact_one_beside_it(runs, config):
     assert both["final_val_loss_exact"][0][1] != both["final_val_loss"][0][1]
 
 
-def test_exact_evaluates_what_both_logs_as_exact(runs):
-    both, exact = runs[("qwz+hpz", "both")], runs[("qwz+hpz", "exact")]
+@pytest.mark.parametrize("config", ["qwz+hpz", "all3+diff4"])
+def test_exact_evaluates_what_both_logs_as_exact(runs, config):
+    both, exact = runs[(config, "both")], runs[(config, "exact")]
     assert exact["val_loss"] == both["val_loss_exact"]
     assert exact["final_val_loss"] == both["final_val_loss_exact"]
 
