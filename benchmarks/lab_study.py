@@ -22,6 +22,10 @@ in the file are skipped, so a later lease or session runs only what is missing::
     python benchmarks/lab_study.py table --results docs/lab_study/results.jsonl --study 125m \\
         --plot docs/lab_study/125m.png
 
+Every job evaluates twice, with the weights its forward gathers and with the exact ones
+(:data:`EVAL_WEIGHTS`), and jobs with qgZ or qwZ log those switches' per-layer errors
+(:func:`diagnostic_flags`); ``table`` adds the exact weights' gaps and the layers' errors.
+
 A lease first reruns the first 100 iterations of a recorded job (``recheck``): its jobs pair
 with jobs of earlier leases, which ran at other commits and maybe on the other GPU model, so it
 checks that this machine and commit log the same numbers; ``record --rechecks`` keeps the
@@ -100,6 +104,10 @@ NODES, RANKS_PER_NODE = 2, 2
 EVAL_WEIGHTS = "both"
 RECHECK_ITERS = 100  # a lease's recheck: ~1 minute at 125M
 
+SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
+              global_batch_size=8, eval_interval=10, eval_iters=2)
+"""A CPU-sized study for the driver's own test."""
+
 
 def diagnostic_flags(config: str, interval: int, job_dir: str) -> List[str]:
     """The per-layer error diagnostics of a configuration's switches, every ``interval``
@@ -107,17 +115,14 @@ def diagnostic_flags(config: str, interval: int, job_dir: str) -> List[str]:
     reduction error (``--zeropp-qgz-error-interval``) and the weight error qwZ's forward
     computes with (``--zeropp-qwz-error-interval``). They read only (training computes the
     same bits, tests/test_qgz_error.py, tests/test_qwz_error.py); if a configuration misses
-    its target, they say which layers its error sits in. Jobs recorded before 2026-12-05's
-    second lease ran without them."""
+    its target, they say which layers its error sits in. The first three jobs (seed 1234's,
+    2026-12-05) ran without them."""
     flags = []
     for switch, name in (("--zeropp-qgz", "qgz"), ("--zeropp-qwz", "qwz")):
         if switch in CONFIGS[config]:
             flags += [f"--zeropp-{name}-error-interval", str(interval),
                       f"--zeropp-{name}-error-log", os.path.join(job_dir, f"{name}_error.jsonl")]
     return flags
-SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3"), micro_batch_size=2,
-              global_batch_size=8, eval_interval=10, eval_iters=2)
-"""A CPU-sized study for the driver's own test."""
 
 
 def job_key(study: str, config: str, seed: int) -> str:
