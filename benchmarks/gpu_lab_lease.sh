@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The first device call of a lease of the lab study (benchmarks/lab_study.py): queue the next
 # STUDY jobs that the results file does not hold yet, run one at a time by a detached runner
-# (setsid: it outlives this call and runs until the machine goes back), wait WAIT minutes, then
-# write their status and the records of finished jobs to OUT. Later calls of the same lease poll:
+# (setsid: it outlives this call and runs until the machine goes back), wait until WAIT minutes
+# after the script started (install, recheck and checks included: a call may run 10 minutes),
+# then write their status and the records of finished jobs to OUT. Later calls of the same
+# lease poll:
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
 #       --out $OUT --data-dir /tmp/lab_data
 # Before it queues, it reruns 100 iterations of the study's first recorded job and compares them
@@ -22,7 +24,7 @@ OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
 STUDY=${3:?study (125m, 350m)}
 JOBS=${4:?jobs to queue}
-WAIT=${5:?minutes to wait before polling}
+WAIT=${5:?minutes from the start to the poll}
 MBS=${MBS:-}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -64,6 +66,7 @@ python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a
     ${MBS:+--micro-batch-size "$MBS"} --data-dir /tmp/lab_data --run-dir /tmp/study \
     --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
 date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
-sleep "$((WAIT * 60))"
+left=$((WAIT * 60 - SECONDS))
+if [ "$left" -gt 0 ]; then sleep "$left"; fi
 python3 benchmarks/lab_study.py poll --run-dir /tmp/study --out "$OUT" --data-dir /tmp/lab_data
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv >> "$OUT/gpu.txt"
