@@ -163,15 +163,23 @@ def job_flags(run, name: str) -> List[str]:
         # default cache next to the data let one read the .npy another was still writing
         "--data-cache-path", os.path.join(run.run_dir, name, "data_cache"),
         "--exit-duration-in-mins", f"{run.minutes:g}",
-    ] + seed + flags + _qgz_error_flags(run, name, flags)
+    ] + seed + flags + (error_flags(flags, run.qgz_error_interval,
+                                    os.path.join(run.run_dir, name), ("qgz",))
+                        if run.qgz_error_interval else [])
 
 
-def _qgz_error_flags(run: GpuRun, name: str, flags: Sequence[str]) -> List[str]:
-    """The qgZ error diagnostic (it changes no bit of the training) for configurations with qgZ."""
-    if not run.qgz_error_interval or "--zeropp-qgz" not in flags:
-        return []
-    return ["--zeropp-qgz-error-interval", str(run.qgz_error_interval),
-            "--zeropp-qgz-error-log", os.path.join(run.run_dir, name, "qgz_error.jsonl")]
+def error_flags(flags: Sequence[str], interval: int, job_dir: str,
+                diagnostics: Sequence[str] = ("qgz", "qwz")) -> List[str]:
+    """The error diagnostics (they change no bit of the training) of the switches among
+    ``flags``: of ``diagnostics``, qgZ's reduction error where ``--zeropp-qgz`` is on, qwZ's
+    weight error where ``--zeropp-qwz`` is, every ``interval`` iterations (and the first),
+    each in ``<name>_error.jsonl`` in ``job_dir`` (what :func:`collect` reads back)."""
+    out: List[str] = []
+    for name in diagnostics:
+        if f"--zeropp-{name}" in flags:
+            out += [f"--zeropp-{name}-error-interval", str(interval),
+                    f"--zeropp-{name}-error-log", os.path.join(job_dir, f"{name}_error.jsonl")]
+    return out
 
 
 def job_command(run: GpuRun, name: str, port: int) -> List[str]:

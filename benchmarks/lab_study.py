@@ -117,12 +117,7 @@ def diagnostic_flags(config: str, interval: int, job_dir: str) -> List[str]:
     same bits, tests/test_qgz_error.py, tests/test_qwz_error.py); if a configuration misses
     its target, they say which layers its error sits in. The first three jobs (seed 1234's,
     2026-12-05) ran without them."""
-    flags = []
-    for switch, name in (("--zeropp-qgz", "qgz"), ("--zeropp-qwz", "qwz")):
-        if switch in CONFIGS[config]:
-            flags += [f"--zeropp-{name}-error-interval", str(interval),
-                      f"--zeropp-{name}-error-log", os.path.join(job_dir, f"{name}_error.jsonl")]
-    return flags
+    return G.error_flags(CONFIGS[config], interval, job_dir)
 
 
 def job_key(study: str, config: str, seed: int) -> str:
