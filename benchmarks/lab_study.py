@@ -120,6 +120,11 @@ def diagnostic_flags(config: str, interval: int, job_dir: str) -> List[str]:
     return G.error_flags(CONFIGS[config], interval, job_dir)
 
 
+def study_named(name: str) -> Study:
+    """The study called ``name``: one of :data:`STUDIES`, or ``"smoke"``."""
+    return SMOKE if name == "smoke" else STUDIES[name]
+
+
 def job_key(study: str, config: str, seed: int) -> str:
     return f"{study}/{config}@seed{seed}"
 
@@ -187,7 +192,7 @@ def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
             only: Sequence[str] = ()) -> List[Tuple[str, int]]:
     """The jobs of study ``name`` neither recorded in ``done`` nor already ``started``, in run
     order (limited to the configurations ``only`` if given)."""
-    study = SMOKE if name == "smoke" else STUDIES[name]
+    study = study_named(name)
     return [(c, s) for c, s in study.jobs()
             if job_key(name, c, s) not in done and job_key(name, c, s) not in started
             and (not only or c in only)]
@@ -242,7 +247,7 @@ def _queue_pid(run_dir: str) -> Optional[int]:
 
 
 def start(args) -> int:
-    study = SMOKE if args.study == "smoke" else STUDIES[args.study]
+    study = study_named(args.study)
     mbs = args.micro_batch_size or study.micro_batch_size
     if mbs < 1 or study.global_batch_size % (mbs * NODES * RANKS_PER_NODE):
         raise ValueError(f"--micro-batch-size {mbs}: the global batch "
@@ -378,7 +383,7 @@ def poll(args) -> int:
     _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
     status, records, partial = {}, [], []
     for key, entry in ledger.items():
-        study = SMOKE if entry["study"] == "smoke" else STUDIES[entry["study"]]
+        study = study_named(entry["study"])
         if entry.get("pid") is None:  # waiting for the queue runner
             status[key] = {"state": "queued", "iteration": 0, "ms_median": None, "minutes": 0}
             continue
@@ -445,7 +450,7 @@ def recheck(args) -> int:
     if key not in results:
         raise ValueError(f"--job {key} is not in {args.results} (recorded: {sorted(results)})")
     rec = results[key]
-    study = SMOKE if rec["study"] == "smoke" else STUDIES[rec["study"]]
+    study = study_named(rec["study"])
     iters = min(RECHECK_ITERS, rec["iters"]) if args.iters is None else args.iters
     if iters < 10 or iters % 10 or iters > rec["iters"]:
         raise ValueError(f"--iters {iters}: a multiple of 10 (the log interval) up to "
@@ -681,7 +686,7 @@ def table(args) -> int:
     for r in read_rechecks(args.results, args.study):
         print(recheck_line(r))
     print(L.table(summ))
-    study = SMOKE if args.study == "smoke" else STUDIES[args.study]
+    study = study_named(args.study)
     for line in targets(summ, study):
         print(line)
     if any(r.get("final_val_loss_exact") is not None for r in records):
