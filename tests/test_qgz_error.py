@@ -115,7 +115,7 @@ def _train(ctx, zeropp):
     reports, counts = [], []
 
     def on_step(i):
-        reports.append(wrapped.qgz_error_report())
+        reports.append(wrapped.error_report("qgz"))
         c = wrapped.comm_counts(reset=True)
         counts.append({phase: (dict(s.calls), s.total(locality="inter"),
                                s.total(locality="intra")) for phase, s in c.items()})

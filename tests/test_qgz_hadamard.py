@@ -129,7 +129,7 @@ def _train(ctx, hadamard, feedback):
     errors, inter = [], []
 
     def on_step(i):
-        errors.append(wrapped.qgz_error_report()["total"])
+        errors.append(wrapped.error_report("qgz")["total"])
         inter.append(sum(c.total(locality="inter")
                          for c in wrapped.comm_counts(reset=True).values()))
 

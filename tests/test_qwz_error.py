@@ -38,7 +38,7 @@ def _train(ctx, zeropp):
     def on_step(i):
         forwards.append(dict(seen))
         seen.clear()
-        reports.append(wrapped.qwz_error_report())
+        reports.append(wrapped.error_report("qwz"))
         exact.append(full_params(wrapped))  # the next iteration's weights, exactly
 
     results = train(wrapped, optimizer, STEPS, micro=1, global_batch=ctx.world_size * 2,

@@ -616,18 +616,14 @@ class ZeroPPDataParallel(BaseDataParallel):
     def error_measured(self, what: str, iteration: int, report: dict) -> None:
         """Called on every DP rank with each measured iteration's report of diagnostic
         ``what`` (``"qgz"``, ``"qwz"``; 1-based ``iteration``); nothing here: the loop reads
-        :meth:`qgz_error_report` and :meth:`qwz_error_report`, a subclass may print it."""
+        :meth:`error_report`, a subclass may print it."""
 
-    def qgz_error_report(self) -> Optional[dict]:
-        """After a step measured by the qgZ error diagnostic: ``{"units": {unit name:
-        relative error}, "total": relative error}`` over this DP group, once; ``None`` on
-        other steps. No collective (the report was reduced at the step's gradient sync)."""
-        return self._error_reports.pop("qgz", None)
-
-    def qwz_error_report(self) -> Optional[dict]:
-        """As :meth:`qgz_error_report`, for the qwZ weight error (``qwz_error_interval``):
-        each unit's relative error of the weights its forward computed with."""
-        return self._error_reports.pop("qwz", None)
+    def error_report(self, what: str) -> Optional[dict]:
+        """After a step measured by error diagnostic ``what`` (``"qgz"``: the qgZ reduction,
+        ``"qwz"``: the weights the forward computed with): ``{"units": {unit name: relative
+        error}, "total": relative error}`` over this DP group, once; ``None`` on other steps.
+        No collective (the report was reduced at the step's gradient sync)."""
+        return self._error_reports.pop(what, None)
 
     # -- reporting ------------------------------------------------------------------------
     def comm_counts(self, reset: bool = True) -> dict:

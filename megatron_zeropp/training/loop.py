@@ -397,8 +397,8 @@ def _pretrain(args, load_iteration, tokenizer_args, start_time, on_iteration) ->
                          dynamic_loss_scale=args.fp16 and args.loss_scale is None)
         consumed += batch
         # The diagnostics of a measured iteration (reduced over DP at its gradient sync).
-        qgz_error = layer.qgz_error_report(chunks)
-        qwz_error = layer.qwz_error_report(chunks)
+        qgz_error = layer.error_report(chunks, "qgz")
+        qwz_error = layer.error_report(chunks, "qwz")
         for what, report, path in (("qgz_error", qgz_error, args.zeropp_qgz_error_log),
                                    ("qwz_error", qwz_error, args.zeropp_qwz_error_log)):
             if report is not None:

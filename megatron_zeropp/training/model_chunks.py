@@ -50,19 +50,11 @@ def describe(chunks) -> Optional[str]:
     return f"{zero[0].zeropp.describe()}, {units} units{where}"
 
 
-def qgz_error_report(chunks) -> Optional[dict]:
-    """The qgZ error diagnostic of a measured step over all chunks (None on the others; each
-    chunk reduced its own over the DP group at the step's gradient sync)."""
+def error_report(chunks, what: str) -> Optional[dict]:
+    """Error diagnostic ``what`` (``"qgz"``, ``"qwz"``) of a measured step over all chunks
+    (None on the others; each chunk reduced its own over the DP group at the step's gradient
+    sync)."""
     zero = zero_chunks(chunks)
     if not zero:
         return None
-    return combined_report([c.qgz_error_report() for c in zero])
-
-
-def qwz_error_report(chunks) -> Optional[dict]:
-    """The qwZ weight error diagnostic of a measured step over all chunks, as
-    :func:`qgz_error_report`."""
-    zero = zero_chunks(chunks)
-    if not zero:
-        return None
-    return combined_report([c.qwz_error_report() for c in zero])
+    return combined_report([c.error_report(what) for c in zero])
