@@ -20,8 +20,11 @@ def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
     done = {S.job_key("125m", "zero3", 1234): {}}
     started = {S.job_key("125m", "all3", 1234): {}}
     todo = S.pending("125m", done, started)
-    assert todo[:3] == [("qwz+hpz", 1234), ("all3+diff4", 1234), ("zero3+sg", 1234)]
+    assert todo[:3] == [("qwz+hpz", 1234), ("all3+diff4", 1234), ("zero3+2mb", 1234)]
     assert todo[3] == ("zero3", 1235) and len(todo) == 5 * 3 - 2
+    # the 10 %-warmup study measures the floor right after zero3 of each seed
+    assert S.pending("125m-w150", {}, {})[:3] == [("zero3", 1234), ("zero3+2mb", 1234),
+                                                 ("all3", 1234)]
     assert S.pending("350m", {}, {}, only=["all3"]) == [("all3", 1234), ("all3", 1235)]
 
 
@@ -32,6 +35,35 @@ def test_studies_are_the_issues_matrix():
     assert S.CONFIGS["all3+diff4"][-2:] == ("--zeropp-qwz-diff-bits", "4")
     assert medium.iters >= 1000 and len(medium.seeds) >= 2 and set(medium.configs) == {
         "zero3", "all3"}
+    warm = S.STUDIES["125m-w150"]
+    assert (warm.model, warm.iters, warm.seeds) == (small.model, small.iters, small.seeds)
+    assert set(warm.configs) == set(small.configs) and S.FLOOR in warm.configs
+    # the first study's recipe stays what its recorded jobs ran: warmup 2 % (30), lr 6e-4
+    assert (small.warmup, warm.warmup, medium.warmup) == (30, 150, 100)
+    assert (small.lr, small.min_lr, medium.lr, medium.min_lr) == (6e-4, 6e-5, 3e-4, 3e-5)
+
+
+def _flag(flags, name):
+    return flags[flags.index(name) + 1]
+
+
+def test_job_flags_carry_the_recipe_and_the_floors_cut(sample_dir):
+    small, medium_study = S.STUDIES["125m"], S.STUDIES["350m"]
+    zero3 = S.job_flags(small, "zero3", 1234, sample_dir, "d")
+    # the recorded jobs' flags: the same strings as before the recipe became a field
+    assert [_flag(zero3, f) for f in ("--lr", "--min-lr", "--lr-warmup-iters",
+                                      "--micro-batch-size")] == ["0.0006", "6e-05", "30", "8"]
+    assert float(_flag(zero3, "--lr")) == float("6e-4")
+    medium = S.job_flags(medium_study, "all3", 1234, sample_dir, "d")
+    assert [_flag(medium, f) for f in ("--lr", "--min-lr", "--lr-warmup-iters")] == [
+        "0.0003", "3e-05", "100"]
+    floor = S.job_flags(small, S.FLOOR, 1234, sample_dir, "d")
+    assert _flag(floor, "--micro-batch-size") == "4"  # the same global batch, cut in two
+    assert floor[:floor.index("--micro-batch-size")] == zero3[:zero3.index(
+        "--micro-batch-size")]
+    assert _flag(S.job_flags(small, S.FLOOR, 1, sample_dir, "d", 2), "--micro-batch-size") == "1"
+    with pytest.raises(ValueError, match="does not divide"):
+        S.job_flags(small, S.FLOOR, 1234, sample_dir, "d", 3)
 
 
 def _fake_job(tmp_path, config, seed, final, iters=20, gap=0.0):
@@ -152,8 +184,15 @@ def test_table_refuses_mixed_micro_batch_sizes(tmp_path):
     with pytest.raises(SystemExit):
         S.main(["table", "--results", str(results), "--study", "smoke"])
     rows[1]["micro_batch_size"] = 2  # control: one size is a table
+    # the floor runs the study's micro-batch cut in two
+    rows.append(dict(base, job="smoke/zero3+2mb@seed1234", config="zero3+2mb",
+                     micro_batch_size=1))
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert S.main(["table", "--results", str(results), "--study", "smoke"]) == 0
+    rows[2]["micro_batch_size"] = 2  # a floor cut from a micro-batch of 4: another study
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit):
+        S.main(["table", "--results", str(results), "--study", "smoke"])
 
 
 def test_table_refuses_mixed_corpora(tmp_path):
@@ -342,13 +381,13 @@ def _wait_for_queue(run_dir, seconds=300):
 
 @pytest.mark.slow
 def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
-    """The driver end to end on CPU (the smoke study's tiny GPT, 2 x 2 ranks): start a job
-    through the queue runner, poll, record; a rerun of its first 10 iterations logs the same
+    """The driver end to end on CPU (the smoke study's tiny GPT, 2 x 2 ranks): start its jobs
+    through the queue runner, poll, record (the noise floor's numbers move off zero3's); a rerun of its first 10 iterations logs the same
     numbers; a record claiming those numbers for all three switches does not pass (the
     rerun trains all3 and differs)."""
     data, run, out = sample_dir, str(tmp_path / "run"), str(tmp_path / "out")
     results = str(tmp_path / "results.jsonl")
-    assert S.main(["start", "--study", "smoke", "--jobs", "2", "--one-at-a-time", "--data-dir",
+    assert S.main(["start", "--study", "smoke", "--jobs", "3", "--one-at-a-time", "--data-dir",
                    data, "--run-dir", run, "--results", results, "--commit", "c0"]) == 0
     _wait_for_queue(run)
     assert S.main(["poll", "--run-dir", run, "--out", out, "--data-dir", data]) == 0
@@ -357,6 +396,11 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     rec = S.read_results(results)["smoke/zero3@seed1234"]
     assert rec["last_iteration"] == 20 and [i for i, _ in rec["val_loss"]] == [10, 20]
     assert rec["qgz_error"] == [] and rec["qwz_error"] == []  # nothing quantized to measure
+    # the noise floor: the same global batch in micro-batches of 1 moves the numbers (rounding)
+    floor = S.read_results(results)["smoke/zero3+2mb@seed1234"]
+    assert floor["micro_batch_size"] == 1 and rec["micro_batch_size"] == 2
+    assert floor["loss_every_10"] != rec["loss_every_10"]
+    assert S.same_as_zero3([rec, floor]) == []
     all3 = S.read_results(results)["smoke/all3@seed1234"]
     assert all3["last_iteration"] == 20 and all3["final_val_loss_exact"] is not None
     for what in ("qgz_error", "qwz_error"):  # every validation interval, and iteration 1
@@ -446,3 +490,28 @@ def test_layer_errors_rank_the_layers_over_iterations_and_seeds():
         "all3, qwz error per layer (mean over measured iterations > 1 and seeds [1, 2]): "
         "b 3.000e-03, a 2.000e-03"]
     assert S.layer_errors(rows[2:]) == []  # control: no diagnostic, no line
+
+
+def test_same_as_zero3_names_jobs_that_changed_no_bit():
+    def rec(config, seed, loss):
+        return {"config": config, "seed": seed, "loss_every_10": [[10, loss]],
+                "val_loss": [[10, 5.0]], "final_val_loss": 4.0}
+
+    rows = [rec("zero3", 1, 5.25), rec("zero3+sg", 1, 5.25), rec("zero3+2mb", 1, 5.2500001),
+            rec("all3", 2, 5.25)]  # seed 2 has no zero3 to compare with
+    lines = S.same_as_zero3(rows)
+    assert len(lines) == 1 and lines[0].startswith("zero3+sg@1: logged the same numbers")
+    rows[1]["final_val_loss"] = 4.0000001  # control: one number differs
+    assert S.same_as_zero3(rows) == []
+
+
+def test_floor_lines_say_whether_the_recipe_resolves_the_target():
+    def summ(*gaps):
+        return {S.FLOOR: {"paired_gap_pct": dict(enumerate(gaps))}}
+
+    assert S.floor_lines({}) == ["noise floor: no zero3+2mb job yet"]
+    narrow = S.floor_lines(summ(0.01, -0.02))
+    assert narrow == ["noise floor (zero3+2mb, rounding only): |paired gap| up to 0.020 % over "
+                      "2 seed(s)"]
+    wide = S.floor_lines(summ(0.01, -1.5))
+    assert "up to 1.500 %" in wide[0] and "cannot resolve" in wide[0]
