@@ -382,9 +382,9 @@ def _wait_for_queue(run_dir, seconds=300):
 @pytest.mark.slow
 def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     """The driver end to end on CPU (the smoke study's tiny GPT, 2 x 2 ranks): start its jobs
-    through the queue runner, poll, record (the noise floor's numbers move off zero3's); a rerun of its first 10 iterations logs the same
-    numbers; a record claiming those numbers for all three switches does not pass (the
-    rerun trains all3 and differs)."""
+    through the queue runner, poll, record (the noise floor's numbers move off zero3's); a
+    rerun of its first 10 iterations logs the same numbers; a record claiming those numbers
+    for all three switches does not pass (the rerun trains all3 and differs)."""
     data, run, out = sample_dir, str(tmp_path / "run"), str(tmp_path / "out")
     results = str(tmp_path / "results.jsonl")
     assert S.main(["start", "--study", "smoke", "--jobs", "3", "--one-at-a-time", "--data-dir",
