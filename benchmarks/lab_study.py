@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,108 +58,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import _convergence_gpu as G  # noqa: E402
 import convergence_lab as L  # noqa: E402
 from gpu_shaped import COMMON_ENV, _free_port  # noqa: E402
+from lab_studies import (  # noqa: E402
+    CONFIGS,
+    EVAL_WEIGHTS,
+    NODES,
+    RANKS_PER_NODE,
+    STUDIES,
+    Study,
+    diagnostic_flags,
+    job_key,
+    job_micro_batch,
+    micro_batch_cuts,
+    study_named,
+)
+from lab_study_report import (  # noqa: E402
+    as_results,
+    device_notes,
+    exact_weights,
+    floor_lines,
+    layer_errors,
+    read_rechecks,
+    recheck_line,
+    rechecks_path,
+    same_as_zero3,
+    targets,
+)
 from numerics_lab import lab_command  # noqa: E402
 
-_ALL3 = ("--zeropp-qwz", "--zeropp-hpz", "--zeropp-qgz")
-CONFIGS: Dict[str, Tuple[str, ...]] = {
-    "zero3": (),
-    # Planned as the noise floor (it was at 23M: gloo, two micro-batches per rank), but with
-    # one micro-batch per rank both paths reduce-scatter the same fp32 sums once, and the lab's
-    # transport adds in one fixed order: bit-identical to zero3 (125m/zero3+sg@seed1234).
-    "zero3+sg": ("--zeropp-shard-grads",),
-    # The noise floor: zero3 with each rank's share of the global batch cut into
-    # FLOOR_CUTS micro-batches (same samples, same math; other GEMM shapes, fp32 gradients
-    # accumulated over the pieces): how far a run moves when nothing but rounding changes.
-    "zero3+2mb": (),
-    "qwz+hpz": ("--zeropp-qwz", "--zeropp-hpz"),
-    "all3": _ALL3,  # the defaults (qgZ stochastic rounding, INT8/INT4, small params exact)
-    "all3+diff4": _ALL3 + ("--zeropp-qwz-diff-bits", "4"),
-}
-FLOOR = "zero3+2mb"
-FLOOR_CUTS = 2
-
-
-def micro_batch_cuts(config: str) -> int:
-    """Into how many micro-batches ``config`` cuts the study's micro-batch (1 but the floor)."""
-    return FLOOR_CUTS if config == FLOOR else 1
-
-
-@dataclass(frozen=True)
-class Study:
-    """One study of the issue: model, schedule, seeds and configurations, in the order jobs
-    run (seed by seed, so that paired sets complete first)."""
-
-    model: str
-    iters: int
-    seeds: Tuple[int, ...]
-    configs: Tuple[str, ...]
-    micro_batch_size: int
-    global_batch_size: int = 32
-    eval_interval: int = 100
-    eval_iters: int = 10
-    warmup_iters: Optional[int] = None
-    """Linear learning-rate warmup; ``None``: 2 % of the schedule (the first 125m study's)."""
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    """Peak and final learning rate (cosine decay)."""
-
-    def jobs(self) -> List[Tuple[str, int]]:
-        return [(c, s) for s in self.seeds for c in self.configs]
-
-    @property
-    def warmup(self) -> int:
-        return self.warmup_iters if self.warmup_iters is not None else max(1, self.iters // 50)
-
-
-STUDIES = {
-    # GPT-3 small: >= 1,500 iterations, >= 3 seeds. Its 30-iteration warmup to 6e-4 at 32k
-    # tokens a batch let paired runs part at the warmup's end (iterations 30-40, the escape
-    # from the unigram plateau) and stay apart by percents: all3's gap +0.36 % at seed 1234,
-    # -4.16 % at 1235 (docs/benchmarks.md). Kept as recorded; the study goes on as 125m-w150.
-    "125m": Study("125m", 1500, (1234, 1235, 1236),
-                  ("zero3", "all3", "qwz+hpz", "all3+diff4", FLOOR), micro_batch_size=8),
-    # The same with a 10 % warmup (150 iterations), the floor right after zero3 of each seed:
-    # its first jobs say whether paired runs stay together.
-    "125m-w150": Study("125m", 1500, (1234, 1235, 1236),
-                       ("zero3", FLOOR, "all3", "qwz+hpz", "all3+diff4"), micro_batch_size=8,
-                       warmup_iters=150),
-    # GPT-3 medium (its learning rate, 3e-4): >= 1,000 iterations, 2 seeds; warmup 10 % as
-    # 125m-w150's
-    "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3"), micro_batch_size=4,
-                  warmup_iters=100, lr=3e-4, min_lr=3e-5),
-}
-NODES, RANKS_PER_NODE = 2, 2
-# Every validation twice over the same batches: with the weights training's forward gathers
-# (qwZ-quantized where qwZ is on; the study's validation loss) and with the exact 16-bit
-# weights a checkpoint holds, to tell what quantized evaluation costs from what training lost.
-# Training computes the same bits either way (tests/test_eval_weights.py). The first three jobs
-# (seed 1234's zero3, all3 and qwz+hpz at 125M, 2026-12-05) evaluated the gathered weights only.
-EVAL_WEIGHTS = "both"
 RECHECK_ITERS = 100  # a lease's recheck: ~1 minute at 125M
-
-SMOKE = Study("tiny", 20, (1234, 1235), ("zero3", "all3", FLOOR), micro_batch_size=2,
-              global_batch_size=8, eval_interval=10, eval_iters=2)
-"""A CPU-sized study for the driver's own test."""
-
-
-def diagnostic_flags(config: str, interval: int, job_dir: str) -> List[str]:
-    """The per-layer error diagnostics of a configuration's switches, every ``interval``
-    iterations (and the first), each in a JSON-lines file beside the job's log: qgZ's
-    reduction error (``--zeropp-qgz-error-interval``) and the weight error qwZ's forward
-    computes with (``--zeropp-qwz-error-interval``). They read only (training computes the
-    same bits, tests/test_qgz_error.py, tests/test_qwz_error.py); if a configuration misses
-    its target, they say which layers its error sits in. The first three jobs (seed 1234's,
-    2026-12-05) ran without them."""
-    return G.error_flags(CONFIGS[config], interval, job_dir)
-
-
-def study_named(name: str) -> Study:
-    """The study called ``name``: one of :data:`STUDIES`, or ``"smoke"``."""
-    return SMOKE if name == "smoke" else STUDIES[name]
-
-
-def job_key(study: str, config: str, seed: int) -> str:
-    return f"{study}/{config}@seed{seed}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,14 +112,6 @@ def _data(data_dir: str) -> Tuple[Tuple[str, str], int, dict]:
     if os.path.exists(prefixes[0] + ".bin"):
         corpus["train_sha256"] = _sha256(prefixes[0] + ".bin")
     return prefixes, data["vocab_size"], corpus
-
-
-def job_micro_batch(study_size: int, config: str) -> int:
-    """The micro-batch size a job of ``config`` runs when its study's is ``study_size``."""
-    cuts = micro_batch_cuts(config)
-    if study_size % cuts:
-        raise ValueError(f"{config} cuts the micro-batch in {cuts}: {study_size} does not divide")
-    return study_size // cuts
 
 
 def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str,
@@ -531,19 +448,6 @@ def recheck(args) -> int:
     return 0 if out["identical"] else 3
 
 
-def recheck_line(r: dict) -> str:
-    """One line for a recheck (:func:`recheck`'s output)."""
-    head = (f"recheck of {r['job']} on {r['device']} at {r['commit']} (recorded on "
-            f"{r['recorded']['device']} at {r['recorded']['commit']}), {r['iters']} iterations: ")
-    if r["identical"]:
-        return head + f"identical ({r['compared']} logged values)"
-    d = r["first_difference"]
-    if d is not None:
-        return head + (f"DIFFERENT: {d['kind']} at iteration {d['iteration']} "
-                       f"{d['rerun']} (recorded {d['recorded']})")
-    return head + f"INCOMPLETE (exit code {r['returncode']}; not logged: {r['missing'][:3]})"
-
-
 def _device() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -578,159 +482,6 @@ def record(args) -> int:
             out.write(json.dumps(r) + "\n")
         print(f"added to {rechecks_path(args.results)}: {recheck_line(r)}")
     return 0
-
-
-def rechecks_path(results: str) -> str:
-    """Where the rechecks (:func:`recheck`) of a results file's jobs are kept: beside it."""
-    return os.path.join(os.path.dirname(os.path.abspath(results)), "rechecks.jsonl")
-
-
-def read_rechecks(results: str, study: str) -> List[dict]:
-    path = rechecks_path(results)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["job"].split("/")[0] == study]
-
-
-def as_results(records: Sequence[dict]) -> Dict[str, dict]:
-    """Records in ``convergence_lab``'s shape ({"config@seedS": {"val_loss", "iterations"}}),
-    the final validation loss standing at the schedule's end."""
-    out = {}
-    for r in records:
-        vals = [tuple(v) for v in r["val_loss"] if v[0] != r["iters"]]
-        vals.append((r["iters"], r["final_val_loss"]))
-        out[L.job_name(r["config"], r["seed"])] = {
-            "val_loss": sorted(vals), "iterations": [r["last_iteration"]]}
-    return out
-
-
-def exact_weights(records: Sequence[dict]) -> List[dict]:
-    """The records as evaluated with the exact 16-bit weights: a job's exact evaluations
-    (``--zeropp-eval-weights both``) in place of its validation losses; a job without qwZ
-    gathered the exact weights already (the same bits: tests/test_eval_weights.py), so its
-    own; a qwZ job recorded before the exact evaluations existed is left out."""
-    out = []
-    for r in records:
-        if r.get("final_val_loss_exact") is not None:
-            out.append(dict(r, val_loss=r["val_loss_exact"],
-                            final_val_loss=r["final_val_loss_exact"]))
-        elif "--zeropp-qwz" not in r["flags"]:
-            out.append(r)
-    return out
-
-
-def layer_errors(records: Sequence[dict]) -> List[str]:
-    """Per configuration and diagnostic (qwZ's weight error, qgZ's reduction error), each
-    layer's relative error as a mean over the measured iterations after the first and over
-    the seeds, largest first: where a configuration's error sits. Nothing for records without
-    the diagnostics."""
-    lines = []
-    for config in CONFIGS:
-        for what in ("qwz_error", "qgz_error"):
-            per_unit: Dict[str, List[float]] = {}
-            seeds = set()
-            for r in records:
-                if r["config"] != config or not r.get(what):
-                    continue
-                seeds.add(r["seed"])
-                for line in r[what]:
-                    if line["iteration"] > 1:  # 1: the initial weights, not what training sees
-                        for unit, v in line["units"].items():
-                            per_unit.setdefault(unit, []).append(v)
-            if not per_unit:
-                continue
-            means = sorted(((statistics.fmean(v), u) for u, v in per_unit.items()),
-                           reverse=True)
-            lines.append(f"{config}, {what.replace('_', ' ')} per layer (mean over measured "
-                         f"iterations > 1 and seeds {sorted(seeds)}): " +
-                         ", ".join(f"{u} {m:.3e}" for m, u in means))
-    return lines
-
-
-def device_notes(records: Sequence[dict]) -> List[str]:
-    """Which GPU models the jobs ran on, where more than one did, and the seeds whose jobs
-    did not all run on the same model: the device tool gives an H100 or an H200, and their
-    paired gaps then also carry whatever differs between the two (not measured)."""
-    model = [r.get("device") or "?" for r in records]
-    devices = sorted(set(model))
-    if len(devices) < 2:
-        return []
-    jobs = {d: [f"{r['config']}@{r['seed']}" for r, m in zip(records, model) if m == d]
-            for d in devices}
-    lines = ["GPU models: " + "; ".join(f"{d}: {', '.join(j)}" for d, j in jobs.items())]
-    for seed in sorted({r["seed"] for r in records}):
-        models = sorted({m for r, m in zip(records, model) if r["seed"] == seed})
-        if len(models) > 1:
-            lines.append(f"seed {seed}: its jobs ran on {' and '.join(models)}")
-    return lines + [""]
-
-
-def same_as_zero3(records: Sequence[dict]) -> List[str]:
-    """The jobs that logged every number (training loss every 10 iterations, validation
-    losses, the final one) as zero3 of the same seed did: whatever their configuration
-    changes, it changed no bit here, so their gap of 0 measures nothing (``zero3+sg`` at one
-    micro-batch per rank)."""
-    zero3 = {r["seed"]: r for r in records if r["config"] == "zero3"}
-    keys = ("loss_every_10", "val_loss", "final_val_loss")
-    return [f"{r['config']}@{r['seed']}: logged the same numbers as zero3@{r['seed']} "
-            "(every training and validation loss): it changed no bit, its gap measures nothing"
-            for r in records if r["config"] != "zero3" and r["seed"] in zero3
-            and all(r.get(k) is not None and r.get(k) == zero3[r["seed"]].get(k)
-                    for k in keys)]
-
-
-def floor_lines(summ: Dict[str, dict]) -> List[str]:
-    """The noise floor (:data:`FLOOR`'s paired gaps: rounding only) against the all3 target:
-    a paired gap inside the floor's is not resolved by this recipe."""
-    f = summ.get(FLOOR)
-    gaps = [g for g in (f or {}).get("paired_gap_pct", {}).values() if g is not None]
-    if not gaps:
-        return [f"noise floor: no {FLOOR} job yet"]
-    width = max(abs(g) for g in gaps)
-    line = (f"noise floor ({FLOOR}, rounding only): |paired gap| up to {width:.3f} % over "
-            f"{len(gaps)} seed(s)")
-    if width >= ALL3_TARGET_PCT:
-        line += (f": wider than the +{ALL3_TARGET_PCT} % target, so this recipe cannot "
-                 "resolve it")
-    return [line]
-
-
-ALL3_TARGET_PCT = 0.25  # the issue: all three with the defaults <= +0.25 % at both sizes
-
-
-def targets(summ: Dict[str, dict], study: Study) -> List[str]:
-    """The issue's targets against a :func:`convergence_lab.summary`: all three with the
-    defaults (``all3``) at most +0.25 % (mean paired gap to ZeRO-3); ``qwz+hpz``'s mean
-    validation loss inside ZeRO-3's seed band (ZeRO-3's lowest to highest over the same
-    seeds; 125M only). Open while a configuration has fewer seeds than the study."""
-    lines = []
-    n = len(study.seeds)
-    a = summ.get("all3")
-    if a is not None and a["paired_gap_mean_pct"] is not None:
-        k = len(a["paired_gap_pct"])
-        se = a["paired_gap_se_pct"]
-        now = f"{a['paired_gap_mean_pct']:+.3f} %" + (f" +- {se:.3f}" if se is not None else "")
-        if k < n:
-            verdict = f"open ({k} of {n} seeds)"
-        else:
-            verdict = "met" if a["paired_gap_mean_pct"] <= ALL3_TARGET_PCT else "MISSED"
-        lines.append(f"target all3 <= +{ALL3_TARGET_PCT} %: {now}: {verdict}")
-    q, z = summ.get("qwz+hpz"), summ.get("zero3")
-    if "qwz+hpz" in study.configs and q is not None and z is not None:
-        seeds = [s for s, v in q["val_loss"].items()
-                 if v is not None and z["val_loss"].get(s) is not None]
-        if len(seeds) < max(n, 2):
-            lines.append(f"target qwz+hpz inside zero3's seed band: open ({len(seeds)} of {n} "
-                         "seeds)")
-        else:
-            band = [z["val_loss"][s] for s in seeds]
-            mean = statistics.fmean(q["val_loss"][s] for s in seeds)
-            inside = min(band) <= mean <= max(band)
-            lines.append(f"target qwz+hpz inside zero3's seed band [{min(band):.4f}, "
-                         f"{max(band):.4f}]: mean {mean:.4f}: {'met' if inside else 'MISSED'}")
-    return lines
 
 
 def table(args) -> int:

@@ -1,6 +1,7 @@
-"""benchmarks/lab_study.py: which jobs run next, a job's record read from its log, the results
-file skipping what it holds, the study's table of paired gaps, a rerun compared with its
-record; and (slow) one job of the smoke study trained on CPU, recorded and rechecked."""
+"""benchmarks/lab_study.py with its matrix (lab_studies.py) and tables (lab_study_report.py):
+which jobs run next, a job's record read from its log, the results file skipping what it holds,
+the study's table of paired gaps and noise floor, a rerun compared with its record; and (slow)
+the smoke study's jobs trained on CPU, recorded and rechecked."""
 
 import json
 import os
@@ -13,12 +14,14 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 
+import lab_studies as D  # noqa: E402
 import lab_study as S  # noqa: E402
+import lab_study_report as R  # noqa: E402
 
 
 def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
-    done = {S.job_key("125m", "zero3", 1234): {}}
-    started = {S.job_key("125m", "all3", 1234): {}}
+    done = {D.job_key("125m", "zero3", 1234): {}}
+    started = {D.job_key("125m", "all3", 1234): {}}
     todo = S.pending("125m", done, started)
     assert todo[:3] == [("qwz+hpz", 1234), ("all3+diff4", 1234), ("zero3+2mb", 1234)]
     assert todo[3] == ("zero3", 1235) and len(todo) == 5 * 3 - 2
@@ -29,15 +32,15 @@ def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
 
 
 def test_studies_are_the_issues_matrix():
-    small, medium = S.STUDIES["125m"], S.STUDIES["350m"]
+    small, medium = D.STUDIES["125m"], D.STUDIES["350m"]
     assert small.iters >= 1500 and len(small.seeds) >= 3
     assert {"zero3", "qwz+hpz", "all3", "all3+diff4"} <= set(small.configs)
-    assert S.CONFIGS["all3+diff4"][-2:] == ("--zeropp-qwz-diff-bits", "4")
+    assert D.CONFIGS["all3+diff4"][-2:] == ("--zeropp-qwz-diff-bits", "4")
     assert medium.iters >= 1000 and len(medium.seeds) >= 2 and set(medium.configs) == {
         "zero3", "all3"}
-    warm = S.STUDIES["125m-w150"]
+    warm = D.STUDIES["125m-w150"]
     assert (warm.model, warm.iters, warm.seeds) == (small.model, small.iters, small.seeds)
-    assert set(warm.configs) == set(small.configs) and S.FLOOR in warm.configs
+    assert set(warm.configs) == set(small.configs) and D.FLOOR in warm.configs
     # the first study's recipe stays what its recorded jobs ran: warmup 2 % (30), lr 6e-4
     assert (small.warmup, warm.warmup, medium.warmup) == (30, 150, 100)
     assert (small.lr, small.min_lr, medium.lr, medium.min_lr) == (6e-4, 6e-5, 3e-4, 3e-5)
@@ -48,7 +51,7 @@ def _flag(flags, name):
 
 
 def test_job_flags_carry_the_recipe_and_the_floors_cut(sample_dir):
-    small, medium_study = S.STUDIES["125m"], S.STUDIES["350m"]
+    small, medium_study = D.STUDIES["125m"], D.STUDIES["350m"]
     zero3 = S.job_flags(small, "zero3", 1234, sample_dir, "d")
     # the recorded jobs' flags: the same strings as before the recipe became a field
     assert [_flag(zero3, f) for f in ("--lr", "--min-lr", "--lr-warmup-iters",
@@ -57,13 +60,13 @@ def test_job_flags_carry_the_recipe_and_the_floors_cut(sample_dir):
     medium = S.job_flags(medium_study, "all3", 1234, sample_dir, "d")
     assert [_flag(medium, f) for f in ("--lr", "--min-lr", "--lr-warmup-iters")] == [
         "0.0003", "3e-05", "100"]
-    floor = S.job_flags(small, S.FLOOR, 1234, sample_dir, "d")
+    floor = S.job_flags(small, D.FLOOR, 1234, sample_dir, "d")
     assert _flag(floor, "--micro-batch-size") == "4"  # the same global batch, cut in two
     assert floor[:floor.index("--micro-batch-size")] == zero3[:zero3.index(
         "--micro-batch-size")]
-    assert _flag(S.job_flags(small, S.FLOOR, 1, sample_dir, "d", 2), "--micro-batch-size") == "1"
+    assert _flag(S.job_flags(small, D.FLOOR, 1, sample_dir, "d", 2), "--micro-batch-size") == "1"
     with pytest.raises(ValueError, match="does not divide"):
-        S.job_flags(small, S.FLOOR, 1234, sample_dir, "d", 3)
+        S.job_flags(small, D.FLOOR, 1234, sample_dir, "d", 3)
 
 
 def _fake_job(tmp_path, config, seed, final, iters=20, gap=0.0):
@@ -88,7 +91,7 @@ def _fake_job(tmp_path, config, seed, final, iters=20, gap=0.0):
 def test_poll_record_table(tmp_path, capsys):
     finals = {("zero3", 1234): 4.0, ("zero3", 1235): 4.2, ("all3", 1234): 4.004,
               ("all3", 1235): None}  # still running or failed: not recorded
-    ledger = {S.job_key("smoke", c, s): _fake_job(tmp_path, c, s, f)
+    ledger = {D.job_key("smoke", c, s): _fake_job(tmp_path, c, s, f)
               for (c, s), f in finals.items()}
     run = tmp_path / "run"
     (run / "jobs.json").write_text(json.dumps(ledger))
@@ -96,12 +99,12 @@ def test_poll_record_table(tmp_path, capsys):
     assert S.main(["poll", "--run-dir", str(run), "--out", str(out)]) == 0
     records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     assert sorted(r["job"] for r in records) == sorted(
-        S.job_key("smoke", c, s) for (c, s), f in finals.items() if f is not None)
+        D.job_key("smoke", c, s) for (c, s), f in finals.items() if f is not None)
     r = next(r for r in records if r["config"] == "zero3" and r["seed"] == 1234)
     assert r["loss_every_10"] == [[10, 4.9], [20, 4.8]] and r["final_val_loss"] == 4.0
     assert r["val_loss"] == [[10, 5.0], [20, 4.9]] and r["ms_median"] == 300.0
     status = json.loads((out / "status.json").read_text())
-    assert status[S.job_key("smoke", "all3", 1235)]["state"] == "failed"  # pid -1: not alive
+    assert status[D.job_key("smoke", "all3", 1235)]["state"] == "failed"  # pid -1: not alive
     results = tmp_path / "results.jsonl"
     for _ in range(2):  # the second time everything is already there
         S.main(["record", "--records", str(out / "records.jsonl"), "--results", str(results)])
@@ -126,7 +129,7 @@ def _queued_ledger(tmp_path, configs, mbs=2):
     for c in configs:
         job_dir = run / f"smoke_{c}@seed1234"
         job_dir.mkdir(parents=True)
-        ledger[S.job_key("smoke", c, 1234)] = {
+        ledger[D.job_key("smoke", c, 1234)] = {
             "study": "smoke", "config": c, "seed": 1234, "dir": str(job_dir), "pid": None,
             "micro_batch_size": mbs, "flags": [], "commit": "abc", "started": None}
     S._write_ledger(str(run), ledger)
@@ -241,11 +244,11 @@ def test_table_names_seeds_whose_jobs_ran_on_two_gpu_models():
     rows = [{"config": c, "seed": s, "device": d} for c, s, d in (
         ("zero3", 1234, "NVIDIA H200"), ("all3", 1234, "NVIDIA H100 80GB HBM3"),
         ("zero3", 1235, "NVIDIA H200"), ("all3", 1235, "NVIDIA H200"))]
-    notes = S.device_notes(rows)
+    notes = R.device_notes(rows)
     assert notes[0] == ("GPU models: NVIDIA H100 80GB HBM3: all3@1234; NVIDIA H200: "
                         "zero3@1234, zero3@1235, all3@1235")
     assert notes[1:] == ["seed 1234: its jobs ran on NVIDIA H100 80GB HBM3 and NVIDIA H200", ""]
-    assert S.device_notes(rows[2:]) == []  # control: one model, nothing to say
+    assert R.device_notes(rows[2:]) == []  # control: one model, nothing to say
 
 
 def test_timeline_splits_a_jobs_wall_clock():
@@ -267,7 +270,7 @@ def test_job_record_reads_the_stamps_of_its_log(tmp_path):
     first = S.G.collect(os.path.dirname(entry["dir"]), [os.path.basename(entry["dir"])])
     t1 = first[os.path.basename(entry["dir"])]["time"][0]  # iteration 1, 08:00:00
     os.utime(log, (t1 + 10.0, t1 + 10.0))
-    rec = S.job_record(dict(entry, started=t1 - 5.3), "k", S.SMOKE, {}, "cpu")
+    rec = S.job_record(dict(entry, started=t1 - 5.3), "k", D.SMOKE, {}, "cpu")
     # launch 5.3 s before the first line (1 iteration at 300 ms): 5.0 s of startup; lines 10 and
     # 20 add 9 + 10 iterations at 300 ms = 5.7 s of the 6.5 s between the stamps of 1 and 20
     assert rec["seconds"] == {"startup": 5.0, "iterations": 5.7, "between_lines": 0.8,
@@ -282,21 +285,21 @@ def _summary(finals):
 
 
 def test_targets_met_missed_and_open():
-    study = S.Study("125m", 100, (1, 2, 3), ("zero3", "all3", "qwz+hpz"), micro_batch_size=8)
+    study = D.Study("125m", 100, (1, 2, 3), ("zero3", "all3", "qwz+hpz"), micro_batch_size=8)
     zero3 = {("zero3", 1): 3.00, ("zero3", 2): 3.06, ("zero3", 3): 3.03}
     met = {**zero3, **{("all3", s): 1.002 * v for (_, s), v in zero3.items()},
            ("qwz+hpz", 1): 3.01, ("qwz+hpz", 2): 3.05, ("qwz+hpz", 3): 3.02}
-    lines = S.targets(_summary(met), study)
+    lines = R.targets(_summary(met), study)
     assert lines[0] == "target all3 <= +0.25 %: +0.200 % +- 0.000: met"
     assert lines[1].endswith("[3.0000, 3.0600]: mean 3.0267: met")
     # all3 +0.3 % on every seed; qwz+hpz below ZeRO-3's lowest seed
     missed = {**met, **{("all3", s): 1.003 * v for (_, s), v in zero3.items()},
               **{("qwz+hpz", s): 2.9 for s in (1, 2, 3)}}
-    lines = S.targets(_summary(missed), study)
+    lines = R.targets(_summary(missed), study)
     assert lines[0].endswith(": MISSED") and lines[1].endswith("mean 2.9000: MISSED")
     # two of three seeds: both open, whatever the numbers
     partial = {k: v for k, v in missed.items() if k[1] != 3}
-    lines = S.targets(_summary(partial), study)
+    lines = R.targets(_summary(partial), study)
     assert lines == ["target all3 <= +0.25 %: +0.300 % +- 0.000: open (2 of 3 seeds)",
                      "target qwz+hpz inside zero3's seed band: open (2 of 3 seeds)"]
 
@@ -368,7 +371,7 @@ def test_record_keeps_rechecks_and_table_prints_them(tmp_path, capsys):
             "abc), 10 iterations: identical (2 logged values)") in capsys.readouterr().out
     differs = dict(check, identical=False, first_difference={
         "kind": "loss", "iteration": 10, "recorded": 5.25, "rerun": 5.26})
-    assert S.recheck_line(differs).endswith("DIFFERENT: loss at iteration 10 5.26 (recorded "
+    assert R.recheck_line(differs).endswith("DIFFERENT: loss at iteration 10 5.26 (recorded "
                                             "5.25)")
 
 
@@ -400,7 +403,7 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     floor = S.read_results(results)["smoke/zero3+2mb@seed1234"]
     assert floor["micro_batch_size"] == 1 and rec["micro_batch_size"] == 2
     assert floor["loss_every_10"] != rec["loss_every_10"]
-    assert S.same_as_zero3([rec, floor]) == []
+    assert R.same_as_zero3([rec, floor]) == []
     all3 = S.read_results(results)["smoke/all3@seed1234"]
     assert all3["last_iteration"] == 20 and all3["final_val_loss_exact"] is not None
     for what in ("qgz_error", "qwz_error"):  # every validation interval, and iteration 1
@@ -414,7 +417,7 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     assert same["identical"] and same["compared"] == 2 and same["returncode"] == 0
     assert rec["eval_weights"] == "both" and rec["final_val_loss_exact"] == rec["final_val_loss"]
     # negative control: the same numbers claimed by all3; its rerun trains all3
-    wrong = dict(rec, job="smoke/all3@seed1234", config="all3", flags=list(S.CONFIGS["all3"]))
+    wrong = dict(rec, job="smoke/all3@seed1234", config="all3", flags=list(D.CONFIGS["all3"]))
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps(wrong) + "\n")
     assert S.main(check + ["--results", str(other), "--run-dir", str(tmp_path / "re2")]) == 3
@@ -430,7 +433,7 @@ def test_job_record_reads_the_exact_weights_evaluations(tmp_path):
                 "| lm loss PPL: 1.3E+02 |\n validation loss (exact weights) at iteration 20 on "
                 "validation set | lm loss value: 3.990000E+00 | lm loss PPL: 5.4E+01 |\n")
     entry["flags"] = ["--zeropp-eval-weights", "both"]
-    rec = S.job_record(entry, "k", S.SMOKE, {}, "cpu")
+    rec = S.job_record(entry, "k", D.SMOKE, {}, "cpu")
     assert rec["eval_weights"] == "both"
     assert rec["val_loss_exact"] == [[10, 4.87]] and rec["final_val_loss_exact"] == 3.99
     assert rec["final_val_loss"] == 4.0  # the gathered evaluation stays the validation loss
@@ -445,14 +448,14 @@ def test_exact_weights_table(tmp_path, capsys):
         dict(base, job="smoke/zero3@seed1234", config="zero3", seed=1234, flags=[],
              val_loss=[[10, 5.0]], final_val_loss=4.0),
         dict(base, job="smoke/all3@seed1234", config="all3", seed=1234,
-             flags=list(S.CONFIGS["all3"]), val_loss=[[10, 5.1]], final_val_loss=4.1),
+             flags=list(D.CONFIGS["all3"]), val_loss=[[10, 5.1]], final_val_loss=4.1),
         dict(base, job="smoke/zero3@seed1235", config="zero3", seed=1235, flags=[],
              val_loss=[[10, 5.0]], final_val_loss=4.2, val_loss_exact=[[10, 5.0]],
              final_val_loss_exact=4.2),
         dict(base, job="smoke/all3@seed1235", config="all3", seed=1235,
-             flags=list(S.CONFIGS["all3"]), val_loss=[[10, 5.2]], final_val_loss=4.242,
+             flags=list(D.CONFIGS["all3"]), val_loss=[[10, 5.2]], final_val_loss=4.242,
              val_loss_exact=[[10, 5.1]], final_val_loss_exact=4.221)]
-    exact = S.exact_weights(rows)
+    exact = R.exact_weights(rows)
     assert [(r["config"], r["seed"], r["final_val_loss"]) for r in exact] == [
         ("zero3", 1234, 4.0), ("zero3", 1235, 4.2), ("all3", 1235, 4.221)]
     results = tmp_path / "results.jsonl"
@@ -470,10 +473,10 @@ def test_exact_weights_table(tmp_path, capsys):
 
 
 def test_diagnostics_follow_the_switches():
-    assert S.diagnostic_flags("zero3", 100, "d") == []
-    assert S.diagnostic_flags("qwz+hpz", 100, "d") == [
+    assert D.diagnostic_flags("zero3", 100, "d") == []
+    assert D.diagnostic_flags("qwz+hpz", 100, "d") == [
         "--zeropp-qwz-error-interval", "100", "--zeropp-qwz-error-log", "d/qwz_error.jsonl"]
-    assert S.diagnostic_flags("all3+diff4", 10, "d") == [
+    assert D.diagnostic_flags("all3+diff4", 10, "d") == [
         "--zeropp-qgz-error-interval", "10", "--zeropp-qgz-error-log", "d/qgz_error.jsonl",
         "--zeropp-qwz-error-interval", "10", "--zeropp-qwz-error-log", "d/qwz_error.jsonl"]
 
@@ -486,10 +489,10 @@ def test_layer_errors_rank_the_layers_over_iterations_and_seeds():
                     {"iteration": 100, "units": {"a": 1e-3, "b": 4e-3}}]),
             rec(2, [{"iteration": 100, "units": {"a": 3e-3, "b": 2e-3}}]),
             {"config": "zero3", "seed": 1, "qwz_error": [], "qgz_error": []}]
-    assert S.layer_errors(rows) == [
+    assert R.layer_errors(rows) == [
         "all3, qwz error per layer (mean over measured iterations > 1 and seeds [1, 2]): "
         "b 3.000e-03, a 2.000e-03"]
-    assert S.layer_errors(rows[2:]) == []  # control: no diagnostic, no line
+    assert R.layer_errors(rows[2:]) == []  # control: no diagnostic, no line
 
 
 def test_same_as_zero3_names_jobs_that_changed_no_bit():
@@ -499,19 +502,19 @@ def test_same_as_zero3_names_jobs_that_changed_no_bit():
 
     rows = [rec("zero3", 1, 5.25), rec("zero3+sg", 1, 5.25), rec("zero3+2mb", 1, 5.2500001),
             rec("all3", 2, 5.25)]  # seed 2 has no zero3 to compare with
-    lines = S.same_as_zero3(rows)
+    lines = R.same_as_zero3(rows)
     assert len(lines) == 1 and lines[0].startswith("zero3+sg@1: logged the same numbers")
     rows[1]["final_val_loss"] = 4.0000001  # control: one number differs
-    assert S.same_as_zero3(rows) == []
+    assert R.same_as_zero3(rows) == []
 
 
 def test_floor_lines_say_whether_the_recipe_resolves_the_target():
     def summ(*gaps):
-        return {S.FLOOR: {"paired_gap_pct": dict(enumerate(gaps))}}
+        return {D.FLOOR: {"paired_gap_pct": dict(enumerate(gaps))}}
 
-    assert S.floor_lines({}) == ["noise floor: no zero3+2mb job yet"]
-    narrow = S.floor_lines(summ(0.01, -0.02))
+    assert R.floor_lines({}) == ["noise floor: no zero3+2mb job yet"]
+    narrow = R.floor_lines(summ(0.01, -0.02))
     assert narrow == ["noise floor (zero3+2mb, rounding only): |paired gap| up to 0.020 % over "
                       "2 seed(s)"]
-    wide = S.floor_lines(summ(0.01, -1.5))
+    wide = R.floor_lines(summ(0.01, -1.5))
     assert "up to 1.500 %" in wide[0] and "cannot resolve" in wide[0]
