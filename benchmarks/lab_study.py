@@ -82,6 +82,7 @@ from lab_study_report import (  # noqa: E402
     rechecks_path,
     same_as_zero3,
     targets,
+    training_gaps,
 )
 from numerics_lab import lab_command  # noqa: E402
 
@@ -516,6 +517,9 @@ def table(args) -> int:
     study = study_named(args.study)
     for line in targets(summ, study) + floor_lines(summ) + same_as_zero3(records):
         print(line)
+    gaps = training_gaps(records)
+    if gaps:
+        print("\n" + gaps)
     if any(r.get("final_val_loss_exact") is not None for r in records):
         exact = exact_weights(records)
         seeds_exact = sorted({r["seed"] for r in exact})

@@ -130,6 +130,32 @@ def same_as_zero3(records: Sequence[dict]) -> List[str]:
                     for k in keys)]
 
 
+TRAINING_GAP_AT = (10, 20, 30, 40, 50, 100, 150, 200, 300, 500, 1000, 1500)
+
+
+def training_gaps(records: Sequence[dict], at: Sequence[int] = TRAINING_GAP_AT) -> str:
+    """A table of each job's training loss against zero3 of its seed, in %, at the iterations
+    ``at`` both logged: where paired runs part (in the first 125m recipe, at the warmup's end)
+    shows long before the final validation does. Single logged values, not averages."""
+    zero3 = {r["seed"]: dict((int(i), v) for i, v in r.get("loss_every_10", []))
+             for r in records if r["config"] == "zero3"}
+    rows = []
+    for r in records:
+        if r["config"] == "zero3" or r["seed"] not in zero3:
+            continue
+        mine = dict((int(i), v) for i, v in r.get("loss_every_10", []))
+        rows.append((f"{r['config']}@{r['seed']}",
+                     {i: 100 * (mine[i] - zero3[r["seed"]][i]) / zero3[r["seed"]][i]
+                      for i in at if i in mine and i in zero3[r["seed"]]}))
+    cols = sorted({i for _, gaps in rows for i in gaps})
+    if not cols:
+        return ""
+    head = [f"| training loss vs zero3, % | {' | '.join(str(i) for i in cols)} |",
+            "|---|" + "---:|" * len(cols)]
+    return "\n".join(head + [f"| {name} | " + " | ".join(
+        f"{gaps[i]:+.2f}" if i in gaps else "-" for i in cols) + " |" for name, gaps in rows])
+
+
 def floor_lines(summ: Dict[str, dict]) -> List[str]:
     """The noise floor (:data:`FLOOR`'s paired gaps: rounding only) against the all3 target:
     a paired gap inside the floor's is not resolved by this recipe."""

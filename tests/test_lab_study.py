@@ -518,3 +518,17 @@ def test_floor_lines_say_whether_the_recipe_resolves_the_target():
                       "2 seed(s)"]
     wide = R.floor_lines(summ(0.01, -1.5))
     assert "up to 1.500 %" in wide[0] and "cannot resolve" in wide[0]
+
+
+def test_training_gaps_pair_each_job_with_zero3_of_its_seed():
+    def rec(config, seed, losses):
+        return {"config": config, "seed": seed,
+                "loss_every_10": [[10 * (k + 1), v] for k, v in enumerate(losses)]}
+
+    rows = [rec("zero3", 1, [8.0, 4.0]), rec("all3", 1, [8.0, 3.96]),
+            rec("zero3", 2, [5.0]), rec("all3", 2, [5.05, 9.0]),  # zero3@2 logged 10 only
+            rec("qwz+hpz", 3, [1.0])]  # no zero3 of seed 3: no row
+    assert R.training_gaps(rows, at=(10, 20)).splitlines() == [
+        "| training loss vs zero3, % | 10 | 20 |", "|---|---:|---:|",
+        "| all3@1 | +0.00 | -1.00 |", "| all3@2 | +1.00 | - |"]
+    assert R.training_gaps(rows, at=(30,)) == ""  # control: nothing logged there
