@@ -17,7 +17,7 @@ from lab_studies import CONFIGS, FLOOR, Study  # noqa: E402
 
 
 def recheck_line(r: dict) -> str:
-    """One line for a recheck (:func:`recheck`'s output)."""
+    """One line for a recheck (``lab_study.py recheck``'s output)."""
     head = (f"recheck of {r['job']} on {r['device']} at {r['commit']} (recorded on "
             f"{r['recorded']['device']} at {r['recorded']['commit']}), {r['iters']} iterations: ")
     if r["identical"]:
@@ -30,7 +30,7 @@ def recheck_line(r: dict) -> str:
 
 
 def rechecks_path(results: str) -> str:
-    """Where the rechecks (:func:`recheck`) of a results file's jobs are kept: beside it."""
+    """Where the rechecks (``lab_study.py recheck``) of a results file's jobs are kept."""
     return os.path.join(os.path.dirname(os.path.abspath(results)), "rechecks.jsonl")
 
 
