@@ -53,10 +53,11 @@ def _flag(flags, name):
 def test_job_flags_carry_the_recipe_and_the_floors_cut(sample_dir):
     small, medium_study = D.STUDIES["125m"], D.STUDIES["350m"]
     zero3 = S.job_flags(small, "zero3", 1234, sample_dir, "d")
-    # the recorded jobs' flags: the same strings as before the recipe became a field
+    # the values the recorded jobs ran (they were passed as "6e-4" and "6e-5": the same doubles)
     assert [_flag(zero3, f) for f in ("--lr", "--min-lr", "--lr-warmup-iters",
                                       "--micro-batch-size")] == ["0.0006", "6e-05", "30", "8"]
-    assert float(_flag(zero3, "--lr")) == float("6e-4")
+    assert (float(_flag(zero3, "--lr")), float(_flag(zero3, "--min-lr"))) == (
+        float("6e-4"), float("6e-5"))
     medium = S.job_flags(medium_study, "all3", 1234, sample_dir, "d")
     assert [_flag(medium, f) for f in ("--lr", "--min-lr", "--lr-warmup-iters")] == [
         "0.0003", "3e-05", "100"]
