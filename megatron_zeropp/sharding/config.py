@@ -139,20 +139,13 @@ class ZeroPPConfig:
             )
         if not isinstance(self.qgz_fraction, (int, float)) or not 0.0 < self.qgz_fraction <= 1.0:
             raise ValueError(f"qgz_fraction must be in (0, 1], got {self.qgz_fraction!r}")
-        interval = self.qgz_error_interval
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
-            raise ValueError(
-                f"qgz_error_interval must be an int >= 0, got {self.qgz_error_interval!r}"
-            )
-        if self.qgz_error_interval and not self.qgz:
-            raise ValueError(f"qgz_error_interval={self.qgz_error_interval} measures qgZ, "
-                             "which is off (qgz=False)")
-        interval = self.qwz_error_interval
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
-            raise ValueError(f"qwz_error_interval must be an int >= 0, got {interval!r}")
-        if interval and not self.qwz:
-            raise ValueError(f"qwz_error_interval={interval} measures qwZ, which is off "
-                             "(qwz=False)")
+        for name, switch, label in (("qgz", self.qgz, "qgZ"), ("qwz", self.qwz, "qwZ")):
+            interval = getattr(self, f"{name}_error_interval")
+            if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+                raise ValueError(f"{name}_error_interval must be an int >= 0, got {interval!r}")
+            if interval and not switch:
+                raise ValueError(f"{name}_error_interval={interval} measures {label}, which is "
+                                 f"off ({name}=False)")
         if self.qgz_error_feedback and not self.qgz:
             raise ValueError("qgz_error_feedback=True needs qgZ, which is off (qgz=False)")
         if self.qgz_hadamard and not self.qgz:

@@ -106,21 +106,22 @@ class StepClock:
             return False
         return self.qgz_cutoff is None or self.iteration < self.qgz_cutoff
 
+    def _every(self, interval: int) -> bool:
+        """Whether ``interval`` (0: never) picks this iteration: the first and every
+        interval-th, numbered from 1 as the log numbers them."""
+        n = self.iteration + 1
+        return bool(interval) and (n == 1 or n % interval == 0)
+
     @property
     def measure_qgz_error(self) -> bool:
-        """Whether this iteration measures the qgZ error (``qgz_error_interval``): on the first
-        iteration and on every interval-th, numbered from 1 as the log numbers them."""
-        interval = self.config.qgz_error_interval
-        n = self.iteration + 1
-        return bool(interval) and self.qgz_active and (n == 1 or n % interval == 0)
+        """Whether this iteration measures the qgZ error (``qgz_error_interval``; only while
+        qgZ is active)."""
+        return self.qgz_active and self._every(self.config.qgz_error_interval)
 
     @property
     def measure_qwz_error(self) -> bool:
-        """Whether this iteration measures the qwZ weight error (``qwz_error_interval``), on
-        the same iterations as :attr:`measure_qgz_error` counts them."""
-        interval = self.config.qwz_error_interval
-        n = self.iteration + 1
-        return bool(interval) and (n == 1 or n % interval == 0)
+        """Whether this iteration measures the qwZ weight error (``qwz_error_interval``)."""
+        return self._every(self.config.qwz_error_interval)
 
     # -- stochastic-rounding keys --------------------------------------------------------------
     def register_bucket(self) -> int:

@@ -326,12 +326,11 @@ def validate(args, world_size: int) -> List[str]:
         errors.append(f"--zeropp-eval-weights {args.zeropp_eval_weights} needs "
                       "--data-parallel-impl zeropp (megatron-core's DDP evaluates its own "
                       "full weights)")
-    if args.zeropp_qgz_error_log is not None and not args.zeropp_qgz_error_interval:
-        errors.append(f"--zeropp-qgz-error-log {args.zeropp_qgz_error_log} needs "
-                      f"--zeropp-qgz-error-interval > 0, got {args.zeropp_qgz_error_interval}")
-    if args.zeropp_qwz_error_log is not None and not args.zeropp_qwz_error_interval:
-        errors.append(f"--zeropp-qwz-error-log {args.zeropp_qwz_error_log} needs "
-                      f"--zeropp-qwz-error-interval > 0, got {args.zeropp_qwz_error_interval}")
+    for what in ("qgz", "qwz"):
+        log, interval = (getattr(args, f"zeropp_{what}_error_{k}") for k in ("log", "interval"))
+        if log is not None and not interval:
+            errors.append(f"--zeropp-{what}-error-log {log} needs "
+                          f"--zeropp-{what}-error-interval > 0, got {interval}")
     errors += validate_profile_args(args)
     errors += arg_checks.shared_gpu_errors(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
