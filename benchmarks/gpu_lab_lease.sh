@@ -18,7 +18,8 @@
 #
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
-# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
+# SEEDS="1235 1236" queues only those seeds' jobs (a seed's pairs then run on one GPU model).
+# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
@@ -63,7 +64,7 @@ if [ "${RECHECK:-1}" = 1 ]; then
     fi
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
-    ${MBS:+--micro-batch-size "$MBS"} --data-dir /tmp/lab_data --run-dir /tmp/study \
+    ${MBS:+--micro-batch-size "$MBS"} ${SEEDS:+--seeds $SEEDS} --data-dir /tmp/lab_data --run-dir /tmp/study \
     --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
 date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
 left=$((WAIT * 60 - SECONDS))

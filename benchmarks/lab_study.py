@@ -152,13 +152,17 @@ def read_results(path: str) -> Dict[str, dict]:
 
 
 def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
-            only: Sequence[str] = ()) -> List[Tuple[str, int]]:
+            only: Sequence[str] = (), seeds: Sequence[int] = ()) -> List[Tuple[str, int]]:
     """The jobs of study ``name`` neither recorded in ``done`` nor already ``started``, in run
-    order (limited to the configurations ``only`` if given)."""
+    order (limited to the configurations ``only`` and the seeds ``seeds`` if given)."""
     study = study_named(name)
+    unknown = sorted(set(seeds) - set(study.seeds))
+    if unknown:
+        raise ValueError(f"seeds {unknown} are not study {name}'s (its seeds: "
+                         f"{list(study.seeds)})")
     return [(c, s) for c, s in study.jobs()
             if job_key(name, c, s) not in done and job_key(name, c, s) not in started
-            and (not only or c in only)]
+            and (not only or c in only) and (not seeds or s in seeds)]
 
 
 def _read_ledger(run_dir: str) -> Dict[str, dict]:
@@ -222,7 +226,7 @@ def start(args) -> int:
         raise ValueError(f"{args.run_dir} has a queue runner (pid {runner}) still running; "
                          "poll it, or use another --run-dir")
     ledger = _read_ledger(args.run_dir)
-    todo = pending(args.study, read_results(args.results), ledger, args.only)
+    todo = pending(args.study, read_results(args.results), ledger, args.only, args.seeds)
     chosen = []
     for config, seed in todo[:args.jobs]:
         key = job_key(args.study, config, seed)
@@ -542,6 +546,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--jobs", type=int, default=1, help="how many to start (at once they share "
                    "the GPU; see --one-at-a-time)")
     s.add_argument("--only", nargs="*", default=[], choices=list(CONFIGS))
+    s.add_argument("--seeds", nargs="*", type=int, default=[],
+                   help="only these seeds' jobs (e.g. to finish a seed on the GPU model its "
+                        "first jobs ran on)")
     s.add_argument("--data-dir", required=True)
     s.add_argument("--run-dir", required=True)
     s.add_argument("--results", required=True)

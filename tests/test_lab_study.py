@@ -29,6 +29,11 @@ def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
     assert S.pending("125m-w150", {}, {})[:3] == [("zero3", 1234), ("zero3+2mb", 1234),
                                                  ("all3", 1234)]
     assert S.pending("350m", {}, {}, only=["all3"]) == [("all3", 1234), ("all3", 1235)]
+    # a lease can finish one seed (its pairs on one GPU model) before it starts another
+    assert S.pending("125m-w150", done, {}, seeds=[1235])[0] == ("zero3", 1235)
+    assert {s for _, s in S.pending("125m-w150", done, {}, seeds=[1235])} == {1235}
+    with pytest.raises(ValueError, match=r"seeds \[99\] are not study 125m-w150's"):
+        S.pending("125m-w150", {}, {}, seeds=[99, 1234])
 
 
 def test_studies_are_the_issues_matrix():
