@@ -64,8 +64,8 @@ if [ "${RECHECK:-1}" = 1 ]; then
     fi
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
-    ${MBS:+--micro-batch-size "$MBS"} ${SEEDS:+--seeds $SEEDS} --data-dir /tmp/lab_data --run-dir /tmp/study \
-    --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
+    ${MBS:+--micro-batch-size "$MBS"} ${SEEDS:+--seeds $SEEDS} --data-dir /tmp/lab_data \
+    --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
 date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
 left=$((WAIT * 60 - SECONDS))
 if [ "$left" -gt 0 ]; then sleep "$left"; fi
