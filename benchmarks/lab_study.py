@@ -160,6 +160,11 @@ def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
     if unknown:
         raise ValueError(f"seeds {unknown} are not study {name}'s (its seeds: "
                          f"{list(study.seeds)})")
+    # a configuration the study does not run would queue nothing, silently
+    foreign = sorted(set(only) - set(study.configs))
+    if foreign:
+        raise ValueError(f"configurations {foreign} are not study {name}'s (its "
+                         f"configurations: {list(study.configs)})")
     return [(c, s) for c, s in study.jobs()
             if job_key(name, c, s) not in done and job_key(name, c, s) not in started
             and (not only or c in only) and (not seeds or s in seeds)]

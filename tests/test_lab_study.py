@@ -34,6 +34,9 @@ def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
     assert {s for _, s in S.pending("125m-w150", done, {}, seeds=[1235])} == {1235}
     with pytest.raises(ValueError, match=r"seeds \[99\] are not study 125m-w150's"):
         S.pending("125m-w150", {}, {}, seeds=[99, 1234])
+    # a configuration outside the study would queue nothing without a word
+    with pytest.raises(ValueError, match=r"configurations \['qwz\+hpz'\] are not study 350m's"):
+        S.pending("350m", {}, {}, only=["qwz+hpz", "all3"])
 
 
 def test_studies_are_the_issues_matrix():
