@@ -52,6 +52,10 @@ def test_studies_are_the_issues_matrix():
     # the first study's recipe stays what its recorded jobs ran: warmup 2 % (30), lr 6e-4
     assert (small.warmup, warm.warmup, medium.warmup) == (30, 150, 100)
     assert (small.lr, small.min_lr, medium.lr, medium.min_lr) == (6e-4, 6e-5, 3e-4, 3e-5)
+    low = D.STUDIES["125m-lr3e-4"]
+    assert (low.model, low.iters, low.seeds, low.configs) == (
+        warm.model, warm.iters, warm.seeds, warm.configs)
+    assert (low.warmup, low.lr, low.min_lr) == (150, 3e-4, 3e-5)
 
 
 def _flag(flags, name):
