@@ -7,8 +7,10 @@
 # lease poll:
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
 #       --out $OUT --data-dir /tmp/lab_data
-# Before it queues, it reruns 100 iterations of the study's first recorded job and compares them
-# with the record (lab_study.py recheck; RECHECK=0 skips it); if they differ it queues nothing.
+# Before it queues, it reruns 100 iterations of the study's first recorded job and 30 of its
+# first all3 job and compares them with their records (lab_study.py recheck; RECHECK=0 skips
+# both; verdicts in OUT/recheck.json and OUT/recheck_all3/recheck.json); if either differs it
+# queues nothing.
 # With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
 # one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
 # at micro-batch size 4 and checks.txt says so.
@@ -53,15 +55,22 @@ fi
 if [ "${RECHECK:-1}" = 1 ]; then
     # A rerun of the study's first recorded job (100 iterations, ~1 minute): this machine and
     # commit must log its numbers, or the jobs below would not pair with the recorded ones.
-    python3 benchmarks/lab_study.py recheck --study "$STUDY" --data-dir /tmp/lab_data \
-        --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$OUT" \
-        --commit "$COMMIT" > "$OUT/recheck.txt" 2>&1
-    rc=$?
-    tail -3 "$OUT/recheck.txt"
-    if [ "$rc" != 0 ]; then
-        echo "[lease] the recheck did not pass (exit code $rc): no job queued; RECHECK=0 queues"
-        exit "$rc"
-    fi
+    # Then 30 iterations of its first recorded all3 job (~30 s), for the quantized paths
+    # (qwZ, hpZ, qgZ's kernels and stochastic rounding) that a zero3 rerun does not run.
+    for what in first all3; do
+        dir=$OUT; args=()
+        if [ "$what" = all3 ]; then dir=$OUT/recheck_all3; args=(--config all3 --iters 30); fi
+        python3 benchmarks/lab_study.py recheck --study "$STUDY" --data-dir /tmp/lab_data \
+            --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$dir" \
+            --commit "$COMMIT" ${args[@]+"${args[@]}"} > "$OUT/recheck_$what.txt" 2>&1
+        rc=$?
+        tail -3 "$OUT/recheck_$what.txt"
+        if [ "$rc" != 0 ]; then
+            echo "[lease] the recheck ($what) did not pass (exit code $rc): no job queued;" \
+                "RECHECK=0 queues"
+            exit "$rc"
+        fi
+    done
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
     ${MBS:+--micro-batch-size "$MBS"} ${SEEDS:+--seeds $SEEDS} --data-dir /tmp/lab_data \

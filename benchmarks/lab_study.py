@@ -405,22 +405,37 @@ def compare_to_record(rec: dict, history: dict, iters: int) -> dict:
             "compared": compared, "first_difference": first, "missing": missing}
 
 
+def recheck_key(results: Dict[str, dict], study: str, job: Optional[str] = None,
+                config: Optional[str] = None) -> Optional[str]:
+    """The job a recheck reruns: ``job`` if given (it must be recorded), else the first
+    recorded job of ``study`` (of configuration ``config`` if given); ``None`` if there is
+    none yet."""
+    if job is not None:
+        if config is not None:
+            raise ValueError(f"--job {job} and --config {config}: name one")
+        if job not in results:
+            raise ValueError(f"--job {job} is not in the results (recorded: {sorted(results)})")
+        return job
+    mine = [k for k, r in results.items() if r["study"] == study
+            and (config is None or r["config"] == config)]
+    return mine[0] if mine else None
+
+
 def recheck(args) -> int:
     """Rerun the first ``--iters`` iterations (default :data:`RECHECK_ITERS`) of a recorded
-    job (``--job``, or the study's first in the results file) on this machine and this commit,
+    job (:func:`recheck_key`: ``--job``, or the study's first in the results file, of
+    configuration ``--config`` if given) on this machine and this commit,
     and compare its log with the record (:func:`compare_to_record`). A study pairs jobs that
     ran in different leases, at different commits and on whichever GPU model the lease had: if
     a rerun is not identical, later jobs would not pair with the earlier ones. Writes
     ``recheck.json`` to ``--out``; exit code 0 identical (or nothing recorded yet to rerun),
     3 different."""
     results = read_results(args.results)
-    mine = [k for k, r in results.items() if r["study"] == args.study]
-    key = args.job or (mine[0] if mine else None)
+    key = recheck_key(results, args.study, args.job, args.config)
     if key is None:
-        print(f"no finished job of study {args.study} in {args.results}: nothing to recheck")
+        print(f"no finished {args.config or ''} job of study {args.study} in {args.results}: "
+              f"nothing to recheck")
         return 0
-    if key not in results:
-        raise ValueError(f"--job {key} is not in {args.results} (recorded: {sorted(results)})")
     rec = results[key]
     study = study_named(rec["study"])
     iters = min(RECHECK_ITERS, rec["iters"]) if args.iters is None else args.iters
@@ -577,6 +592,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                        "compare them with its record")
     c.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
     c.add_argument("--job", default=None, help="its key (default: the study's first recorded)")
+    c.add_argument("--config", default=None, choices=list(CONFIGS),
+                   help="the study's first recorded job of this configuration (e.g. all3: "
+                        "the quantized paths, which a zero3 rerun does not run)")
     c.add_argument("--iters", type=int, default=None,
                    help=f"iterations to rerun (default {RECHECK_ITERS}, or the job's schedule if "
                    "shorter)")

@@ -366,6 +366,21 @@ def test_recheck_refuses_another_job_or_corpus_before_running(tmp_path):
     assert S.main(base) == 0  # nothing recorded yet: nothing to recheck
 
 
+def test_recheck_key_picks_the_studys_first_job_or_its_first_of_a_configuration():
+    jobs = [_rec(job="w/zero3@seed1", study="w"), _rec(job="other/all3@seed1", study="other",
+            config="all3"), _rec(job="w/all3@seed1", study="w", config="all3"),
+            _rec(job="w/all3@seed2", study="w", config="all3")]
+    results = {r["job"]: r for r in jobs}
+    assert S.recheck_key(results, "w") == "w/zero3@seed1"
+    assert S.recheck_key(results, "w", config="all3") == "w/all3@seed1"  # not another study's
+    assert S.recheck_key(results, "w", config="qwz+hpz") is None  # none yet: nothing to rerun
+    assert S.recheck_key(results, "w", job="w/all3@seed2") == "w/all3@seed2"
+    with pytest.raises(ValueError, match="is not in the results"):
+        S.recheck_key(results, "w", job="w/all3@seed3")
+    with pytest.raises(ValueError, match="name one"):
+        S.recheck_key(results, "w", job="w/all3@seed2", config="all3")
+
+
 def test_record_keeps_rechecks_and_table_prints_them(tmp_path, capsys):
     results = tmp_path / "results.jsonl"
     records = tmp_path / "records.jsonl"
@@ -429,6 +444,11 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     same = json.load(open(os.path.join(out, "recheck.json")))
     assert same["identical"] and same["compared"] == 2 and same["returncode"] == 0
     assert rec["eval_weights"] == "both" and rec["final_val_loss_exact"] == rec["final_val_loss"]
+    # all3's rerun (qwZ, hpZ, qgZ with stochastic rounding) logs its record's numbers too
+    assert S.main(check + ["--results", results, "--config", "all3",
+                           "--run-dir", str(tmp_path / "re3")]) == 0
+    same3 = json.load(open(os.path.join(out, "recheck.json")))
+    assert same3["job"] == "smoke/all3@seed1234" and same3["identical"], same3
     # negative control: the same numbers claimed by all3; its rerun trains all3
     wrong = dict(rec, job="smoke/all3@seed1234", config="all3", flags=list(D.CONFIGS["all3"]))
     other = tmp_path / "other.jsonl"
