@@ -433,8 +433,8 @@ def recheck(args) -> int:
     results = read_results(args.results)
     key = recheck_key(results, args.study, args.job, args.config)
     if key is None:
-        print(f"no finished {args.config or ''} job of study {args.study} in {args.results}: "
-              f"nothing to recheck")
+        what = f"{args.config} job" if args.config else "job"
+        print(f"no finished {what} of study {args.study} in {args.results}: nothing to recheck")
         return 0
     rec = results[key]
     study = study_named(rec["study"])
