@@ -4,9 +4,9 @@
 # (setsid: it outlives this call and runs until the machine goes back), wait until WAIT minutes
 # after the script started (install, recheck and checks included: a call may run 10 minutes),
 # then write their status and the records of finished jobs to OUT. Later calls of the same
-# lease poll:
+# lease poll (--wait: until the running job has its record, or that many seconds):
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
-#       --out $OUT --data-dir /tmp/lab_data
+#       --out $OUT --data-dir /tmp/lab_data --wait 540
 # Before it queues, it reruns 100 iterations of the study's first recorded job and 30 of its
 # first all3 job and compares them with their records (lab_study.py recheck; RECHECK=0 skips
 # both; verdicts in OUT/recheck.json and OUT/recheck_all3/recheck.json); if either differs it

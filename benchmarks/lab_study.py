@@ -346,13 +346,11 @@ def job_record(entry: dict, key: str, study: Study, corpus: dict, device: str) -
             "ms_median": statistics.median(ms) if ms else None, "seconds": wall}
 
 
-def poll(args) -> int:
-    with open(os.path.join(args.run_dir, "jobs.json")) as f:
+def _poll_once(run_dir: str, out: str, corpus: dict, device: str) -> Dict[str, dict]:
+    """One look at the run directory's jobs: their status, and records of the finished ones
+    (``records.jsonl``), partial ones of the rest (``partial.jsonl``), both in ``out``."""
+    with open(os.path.join(run_dir, "jobs.json")) as f:
         ledger = json.load(f)
-    os.makedirs(args.out, exist_ok=True)
-    device = _device()
-    # one corpus for every job of the run directory: read (and its tokens hashed) once
-    _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
     status, records, partial = {}, [], []
     for key, entry in ledger.items():
         study = study_named(entry["study"])
@@ -369,13 +367,40 @@ def poll(args) -> int:
                        "seconds": rec["seconds"]}
         (records if finished else partial).append(rec)
     for name, rows in (("records.jsonl", records), ("partial.jsonl", partial)):
-        with open(os.path.join(args.out, name), "w") as f:
+        with open(os.path.join(out, name), "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    with open(os.path.join(args.out, "status.json"), "w") as f:
+    with open(os.path.join(out, "status.json"), "w") as f:
         json.dump(status, f, indent=1)
-    for key, s in status.items():
-        print(f"{key}: {s}")
+    return status
+
+
+POLL_EVERY_S = 10.0
+
+
+def poll(args) -> int:
+    """Status and records of the started jobs, written to ``--out``; with ``--wait S``, looked
+    at again every :data:`POLL_EVERY_S` seconds (the files rewritten each time, so a call cut
+    short keeps the last look) until a job that had not finished at the first look finishes,
+    nothing is running or queued, or S seconds have passed: one device call can then end as
+    soon as the job it waits for has its record."""
+    os.makedirs(args.out, exist_ok=True)
+    device = _device()
+    # one corpus for every job of the run directory: read (and its tokens hashed) once
+    _, _, corpus = _data(args.data_dir) if args.data_dir else (None, None, {})
+    deadline = time.monotonic() + args.wait
+    status = _poll_once(args.run_dir, args.out, corpus, device)
+    before = {k for k, v in status.items() if v["state"] == "finished"}
+    while True:
+        left = deadline - time.monotonic()
+        newly = [k for k, v in status.items() if v["state"] == "finished" and k not in before]
+        active = [k for k, v in status.items() if v["state"] in ("running", "queued")]
+        if left <= 0 or newly or not active:
+            break
+        time.sleep(min(POLL_EVERY_S, left))
+        status = _poll_once(args.run_dir, args.out, corpus, device)
+    for key, v in status.items():
+        print(f"{key}: {v}")
     return 0
 
 
@@ -583,6 +608,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     q.add_argument("--run-dir", required=True)
     q.add_argument("--out", required=True)
     q.add_argument("--data-dir", default=None, help="to name the corpus in the records")
+    q.add_argument("--wait", type=float, default=0.0,
+                   help="seconds to keep polling until a job that had not finished finishes "
+                        "(or nothing runs)")
     r = sub.add_parser("record", help="add finished jobs' records to the results file")
     r.add_argument("--records", nargs="+", required=True)
     r.add_argument("--results", required=True)

@@ -403,6 +403,63 @@ def test_record_keeps_rechecks_and_table_prints_them(tmp_path, capsys):
                                             "5.25)")
 
 
+class _Clock:
+    """time for lab_study: monotonic() advances only by sleep(), which counts its calls."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, 0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+        self.sleeps += 1
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def _poll_with(monkeypatch, tmp_path, ledger, finish_after, wait):
+    """poll --wait over ``ledger`` where every started job finishes after ``finish_after``
+    sleeps of the poll loop; returns (clock, status written)."""
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir(exist_ok=True)
+    (run / "jobs.json").write_text(json.dumps(ledger))
+    clock = _Clock()
+    monkeypatch.setattr(S, "time", clock)
+
+    def record(entry, key, study, corpus, device):
+        done = clock.sleeps >= finish_after
+        return {"job": key, "final_val_loss": 4.0 if done else None,
+                "last_iteration": study.iters if done else 5, "ms_median": 1.0, "seconds": {}}
+    monkeypatch.setattr(S, "job_record", record)
+    assert S.main(["poll", "--run-dir", str(run), "--out", str(out), "--wait", str(wait)]) == 0
+    return clock, json.loads((out / "status.json").read_text())
+
+
+def test_poll_wait_ends_when_a_job_finishes_nothing_runs_or_time_is_up(monkeypatch, tmp_path):
+    running = {"study": "smoke", "pid": os.getpid(), "dir": "d", "started": time.time()}
+    ledger = {"smoke/zero3@seed1234": running, "smoke/all3@seed1234": {"study": "smoke"}}
+    # the running job finishes at the third look after the first: the queued one is not awaited
+    clock, status = _poll_with(monkeypatch, tmp_path, ledger, finish_after=3, wait=600)
+    assert clock.sleeps == 3 and status["smoke/zero3@seed1234"]["state"] == "finished"
+    assert status["smoke/all3@seed1234"]["state"] == "queued"
+    assert [json.loads(line)["job"] for line in open(tmp_path / "out" / "records.jsonl")] == [
+        "smoke/zero3@seed1234"]
+    # it does not finish in time: looks every 10 s until the 25 s are up
+    clock, status = _poll_with(monkeypatch, tmp_path, ledger, finish_after=99, wait=25)
+    assert (clock.sleeps, clock.now) == (3, 25) and status["smoke/zero3@seed1234"]["state"] == (
+        "running")
+    # finished before the first look and nothing else running: no wait
+    clock, status = _poll_with(monkeypatch, tmp_path, {"smoke/zero3@seed1234": running},
+                               finish_after=0, wait=600)
+    assert clock.sleeps == 0 and status["smoke/zero3@seed1234"]["state"] == "finished"
+    # without --wait: one look
+    clock, _ = _poll_with(monkeypatch, tmp_path, ledger, finish_after=3, wait=0)
+    assert clock.sleeps == 0
+
+
 def _wait_for_queue(run_dir, seconds=300):
     deadline = time.monotonic() + seconds
     while S._queue_pid(run_dir) is not None:
