@@ -52,25 +52,27 @@ if [ "${CHECKS:-0}" = 1 ]; then
     fi
     tail -5 "$OUT/checks.txt"
 fi
+recheck() {  # recheck NAME OUT_DIR [ARGS...]: lab_study.py recheck; exits unless it passes
+    local name=$1 dir=$2 rc
+    shift 2
+    python3 benchmarks/lab_study.py recheck --study "$STUDY" --data-dir /tmp/lab_data \
+        --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$dir" \
+        --commit "$COMMIT" "$@" > "$OUT/recheck_$name.txt" 2>&1
+    rc=$?
+    tail -3 "$OUT/recheck_$name.txt"
+    if [ "$rc" != 0 ]; then
+        echo "[lease] the recheck ($name) did not pass (exit code $rc): no job queued;" \
+            "RECHECK=0 queues"
+        exit "$rc"
+    fi
+}
 if [ "${RECHECK:-1}" = 1 ]; then
     # A rerun of the study's first recorded job (100 iterations, ~1 minute): this machine and
     # commit must log its numbers, or the jobs below would not pair with the recorded ones.
-    # Then 30 iterations of its first recorded all3 job (~30 s), for the quantized paths
-    # (qwZ, hpZ, qgZ's kernels and stochastic rounding) that a zero3 rerun does not run.
-    for what in first all3; do
-        dir=$OUT; args=()
-        if [ "$what" = all3 ]; then dir=$OUT/recheck_all3; args=(--config all3 --iters 30); fi
-        python3 benchmarks/lab_study.py recheck --study "$STUDY" --data-dir /tmp/lab_data \
-            --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$dir" \
-            --commit "$COMMIT" ${args[@]+"${args[@]}"} > "$OUT/recheck_$what.txt" 2>&1
-        rc=$?
-        tail -3 "$OUT/recheck_$what.txt"
-        if [ "$rc" != 0 ]; then
-            echo "[lease] the recheck ($what) did not pass (exit code $rc): no job queued;" \
-                "RECHECK=0 queues"
-            exit "$rc"
-        fi
-    done
+    recheck first "$OUT"
+    # 30 iterations of its first recorded all3 job (~30 s): the quantized paths (qwZ, hpZ,
+    # qgZ's kernels and stochastic rounding) that the zero3 rerun does not run.
+    recheck all3 "$OUT/recheck_all3" --config all3 --iters 30
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
     ${MBS:+--micro-batch-size "$MBS"} ${SEEDS:+--seeds $SEEDS} --data-dir /tmp/lab_data \

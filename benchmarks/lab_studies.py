@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +64,9 @@ class Study:
         return self.warmup_iters if self.warmup_iters is not None else max(1, self.iters // 50)
 
 
+_W150 = Study("125m", 1500, (1234, 1235, 1236), ("zero3", FLOOR, "all3", "qwz+hpz", "all3+diff4"),
+              micro_batch_size=8, warmup_iters=150)
+
 STUDIES = {
     # GPT-3 small: >= 1,500 iterations, >= 3 seeds. Its 30-iteration warmup to 6e-4 at 32k
     # tokens a batch let paired runs part at the warmup's end (iterations 30-40, the escape
@@ -73,17 +76,13 @@ STUDIES = {
                   ("zero3", "all3", "qwz+hpz", "all3+diff4", FLOOR), micro_batch_size=8),
     # The same with a 10 % warmup (150 iterations), the floor right after zero3 of each seed:
     # its first jobs say whether paired runs stay together.
-    "125m-w150": Study("125m", 1500, (1234, 1235, 1236),
-                       ("zero3", FLOOR, "all3", "qwz+hpz", "all3+diff4"), micro_batch_size=8,
-                       warmup_iters=150),
+    "125m-w150": _W150,
     # 125m-w150 failed the rule set before its data (its floor's paired gap at 1,500 within
     # 0.05 %, training-loss gap within 0.1 %): zero3+2mb@1234 -0.251 % at 1,500, up to 0.24 %
     # in training. The rule's next recipe: the same at half the peak learning rate. Set before
     # its data: it is the study if its floor passes that rule; if not, rounding alone moves a
     # run this far at 125M, and the study goes on with whichever recipe's floor is narrower.
-    "125m-lr3e-4": Study("125m", 1500, (1234, 1235, 1236),
-                         ("zero3", FLOOR, "all3", "qwz+hpz", "all3+diff4"), micro_batch_size=8,
-                         warmup_iters=150, lr=3e-4, min_lr=3e-5),
+    "125m-lr3e-4": replace(_W150, lr=3e-4, min_lr=3e-5),
     # GPT-3 medium (its learning rate, 3e-4): >= 1,000 iterations, 2 seeds; warmup 10 % as
     # 125m-w150's. That study's floor moved its final loss as far as the target, so this one
     # measures its own floor too, right after zero3 of each seed: with two seeds, a gap means

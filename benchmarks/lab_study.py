@@ -156,15 +156,13 @@ def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
     """The jobs of study ``name`` neither recorded in ``done`` nor already ``started``, in run
     order (limited to the configurations ``only`` and the seeds ``seeds`` if given)."""
     study = study_named(name)
-    unknown = sorted(set(seeds) - set(study.seeds))
-    if unknown:
-        raise ValueError(f"seeds {unknown} are not study {name}'s (its seeds: "
-                         f"{list(study.seeds)})")
-    # a configuration the study does not run would queue nothing, silently
-    foreign = sorted(set(only) - set(study.configs))
-    if foreign:
-        raise ValueError(f"configurations {foreign} are not study {name}'s (its "
-                         f"configurations: {list(study.configs)})")
+    # a seed or configuration the study does not run would queue nothing, silently
+    for what, given, known in (("seeds", seeds, study.seeds),
+                               ("configurations", only, study.configs)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"{what} {unknown} are not study {name}'s (its {what}: "
+                             f"{list(known)})")
     return [(c, s) for c, s in study.jobs()
             if job_key(name, c, s) not in done and job_key(name, c, s) not in started
             and (not only or c in only) and (not seeds or s in seeds)]
