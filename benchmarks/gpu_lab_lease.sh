@@ -7,10 +7,14 @@
 # lease poll (--wait: until the running job has its record, or that many seconds):
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
 #       --out $OUT --data-dir /tmp/lab_data --wait 540
-# Before it queues, it reruns 100 iterations of the study's first recorded job and 30 of its
-# first all3 job and compares them with their records (lab_study.py recheck; RECHECK=0 skips
-# both; verdicts in OUT/recheck.json and OUT/recheck_all3/recheck.json); if either differs it
-# queues nothing.
+# What it runs is lab_study.py plan's for this GPU model (OUT/plan.txt says why): a seed whose
+# jobs ran on another model is left out (its jobs pair with zero3 of the seed bit for bit only
+# on the model that ran it). Before it queues, it reruns 100 iterations of the first recorded
+# job of the first queued job's seed and 30 of the study's first all3 job recorded on this
+# model, and compares them with their records (lab_study.py recheck; RECHECK=0 skips both;
+# verdicts in OUT/recheck.json and OUT/recheck_all3/recheck.json); if either differs it queues
+# nothing. Nothing recorded to rerun (a new seed, a new model): no recheck. If this model can
+# run nothing of STUDY, it exits with code 4 before queueing.
 # With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
 # one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
 # at micro-batch size 4 and checks.txt says so.
@@ -20,7 +24,7 @@
 #
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
-# SEEDS="1235 1236" queues only those seeds' jobs (a seed's pairs then run on one GPU model).
+# SEEDS="1235 1236" plans only those seeds' jobs.
 # Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
@@ -34,6 +38,15 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$OUT/gpu.txt"
 mkdir -p /tmp/lab_data && tar xJf runs/lab_data.tar.xz -C /tmp/lab_data || exit 1
+python3 benchmarks/lab_study.py plan --study "$STUDY" --results docs/lab_study/results.jsonl \
+    ${SEEDS:+--seeds $SEEDS} --shell > /tmp/plan.sh 2> "$OUT/plan.txt" || { cat "$OUT/plan.txt"; exit 1; }
+cat "$OUT/plan.txt"
+# shellcheck source=/dev/null
+. /tmp/plan.sh
+if [ -z "$PLAN_JOBS" ]; then
+    echo "[lease] nothing of $STUDY to run on this GPU model: no job queued"
+    exit 4
+fi
 if [ "${MPS:-1}" = 1 ]; then
     # shellcheck source=benchmarks/_mps.sh
     . benchmarks/_mps.sh
@@ -52,12 +65,16 @@ if [ "${CHECKS:-0}" = 1 ]; then
     fi
     tail -5 "$OUT/checks.txt"
 fi
-recheck() {  # recheck NAME OUT_DIR [ARGS...]: lab_study.py recheck; exits unless it passes
-    local name=$1 dir=$2 rc
-    shift 2
-    python3 benchmarks/lab_study.py recheck --study "$STUDY" --data-dir /tmp/lab_data \
-        --run-dir /tmp/recheck --results docs/lab_study/results.jsonl --out "$dir" \
-        --commit "$COMMIT" "$@" > "$OUT/recheck_$name.txt" 2>&1
+recheck() {  # recheck NAME OUT_DIR JOB [ARGS...]: lab_study.py recheck; exits unless it passes
+    local name=$1 dir=$2 job=$3 rc
+    shift 3
+    if [ -z "$job" ]; then
+        echo "[lease] recheck ($name): nothing recorded to rerun" | tee "$OUT/recheck_$name.txt"
+        return
+    fi
+    python3 benchmarks/lab_study.py recheck --study "$STUDY" --job "$job" \
+        --data-dir /tmp/lab_data --run-dir /tmp/recheck --results docs/lab_study/results.jsonl \
+        --out "$dir" --commit "$COMMIT" "$@" > "$OUT/recheck_$name.txt" 2>&1
     rc=$?
     tail -3 "$OUT/recheck_$name.txt"
     if [ "$rc" != 0 ]; then
@@ -67,15 +84,15 @@ recheck() {  # recheck NAME OUT_DIR [ARGS...]: lab_study.py recheck; exits unles
     fi
 }
 if [ "${RECHECK:-1}" = 1 ]; then
-    # A rerun of the study's first recorded job (100 iterations, ~1 minute): this machine and
-    # commit must log its numbers, or the jobs below would not pair with the recorded ones.
-    recheck first "$OUT"
-    # 30 iterations of its first recorded all3 job (~30 s): the quantized paths (qwZ, hpZ,
-    # qgZ's kernels and stochastic rounding) that the zero3 rerun does not run.
-    recheck all3 "$OUT/recheck_all3" --config all3 --iters 30
+    # A rerun of the first queued seed's first recorded job (100 iterations, ~1 minute): this
+    # machine and commit must log its numbers, or the jobs below would not pair with it.
+    recheck first "$OUT" "$PLAN_RECHECK"
+    # 30 iterations of an all3 job recorded on this model (~30 s): the quantized paths (qwZ,
+    # hpZ, qgZ's kernels and stochastic rounding) that the zero3 rerun does not run.
+    recheck all3 "$OUT/recheck_all3" "$PLAN_RECHECK_ALL3" --iters 30
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
-    ${MBS:+--micro-batch-size "$MBS"} ${SEEDS:+--seeds $SEEDS} --data-dir /tmp/lab_data \
+    ${MBS:+--micro-batch-size "$MBS"} --seeds $PLAN_SEEDS --data-dir /tmp/lab_data \
     --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
 date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
 left=$((WAIT * 60 - SECONDS))

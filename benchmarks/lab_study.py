@@ -26,10 +26,11 @@ Every job evaluates twice, with the weights its forward gathers and with the exa
 (:data:`EVAL_WEIGHTS`), and jobs with qgZ or qwZ log those switches' per-layer errors
 (:func:`diagnostic_flags`); ``table`` adds the exact weights' gaps and the layers' errors.
 
-A lease first reruns the first 100 iterations of a recorded job (``recheck``): its jobs pair
-with jobs of earlier leases, which ran at other commits and maybe on the other GPU model, so it
-checks that this machine and commit log the same numbers; ``record --rechecks`` keeps the
-verdicts beside the results (``rechecks.jsonl``) and ``table`` prints them.
+A lease runs what ``plan`` gives for its GPU model (a seed's jobs all on the model of its
+first job) and first reruns the first 100 iterations of a recorded job (``recheck``): its jobs
+pair with jobs of earlier leases, which ran at other commits, so it checks that this machine
+and commit log the same numbers; ``record --rechecks`` keeps the verdicts beside the results
+(``rechecks.jsonl``) and ``table`` prints them.
 
 ``table`` prints, per configuration, the final validation loss per seed and the paired gap to
 zero3 of the same seed (mean +- standard error over the seeds), beside the noise floor
@@ -444,6 +445,59 @@ def recheck_key(results: Dict[str, dict], study: str, job: Optional[str] = None,
     return mine[0] if mine else None
 
 
+def lease_plan(results: Dict[str, dict], study: str, device: str,
+               seeds: Sequence[int] = ()) -> dict:
+    """What a lease on GPU model ``device`` runs of ``study`` (of ``seeds`` if given) and
+    what it reruns first. A job pairs with zero3 of its seed bit for bit only on the GPU
+    model that ran that zero3 (the two models' kernels round differently), so a seed with a
+    record from another model is left out (``elsewhere``: seed -> its models). ``recheck``:
+    the first recorded job of the first job's seed (``None`` when that seed has none yet: its
+    jobs then pair among themselves); ``recheck_all3``: the study's first ``all3`` recorded
+    on this model (the quantized paths must compute as they did for the seeds before),
+    ``None`` if there is none. Jobs run seed by seed, so only the first seed of a lease can
+    have jobs from an earlier lease."""
+    name = study_named(study)
+    asked = list(seeds) or list(name.seeds)
+    pending(study, {}, {}, seeds=asked)  # a seed the study does not run raises
+    mine = {k: r for k, r in results.items() if r["study"] == study}
+    models: Dict[int, set] = {}
+    for r in mine.values():
+        models.setdefault(r["seed"], set()).add(r["device"])
+    elsewhere = {s: sorted(models[s]) for s in asked if models.get(s, {device}) != {device}}
+    here = [s for s in asked if s not in elsewhere]
+    todo = pending(study, results, {}, seeds=here) if here else []
+    first = todo[0][1] if todo else None
+    return {"study": study, "device": device, "seeds": here, "elsewhere": elsewhere,
+            "jobs": [job_key(study, c, s) for c, s in todo],
+            "recheck": next((k for k, r in mine.items() if r["seed"] == first), None),
+            "recheck_all3": next((k for k, r in mine.items() if todo and r["config"] == "all3"
+                                  and r["device"] == device), None)}
+
+
+def plan(args) -> int:
+    """Print :func:`lease_plan` for this machine: JSON, or with ``--shell`` the assignments
+    ``PLAN_SEEDS``, ``PLAN_JOBS``, ``PLAN_RECHECK`` and ``PLAN_RECHECK_ALL3`` for a lease
+    script to source (the reasons on stderr)."""
+    p = lease_plan(read_results(args.results), args.study, args.device or _device(),
+                   args.seeds)
+    why = [f"[plan] {p['study']} on {p['device']}: {len(p['jobs'])} job(s) to run, seeds "
+           f"{p['seeds']}"]
+    why += [f"[plan] seed {s} left out: its jobs ran on {', '.join(m)}"
+            for s, m in p["elsewhere"].items()]
+    why += [f"[plan] recheck first: {p['recheck'] or 'nothing (no record of that seed)'}; "
+            f"all3: {p['recheck_all3'] or 'nothing (no all3 recorded on this model)'}"]
+    if not args.shell:
+        print("\n".join(why) + "\n" + json.dumps(p, indent=1))
+        return 0
+    print("\n".join(why), file=sys.stderr)
+    for var, value in (("PLAN_SEEDS", " ".join(map(str, p["seeds"]))),
+                       ("PLAN_JOBS", " ".join(p["jobs"])),
+                       ("PLAN_RECHECK", p["recheck"] or ""),
+                       ("PLAN_RECHECK_ALL3", p["recheck_all3"] or "")):
+        print(f"{var}={shlex.quote(value)}")
+    return 0
+
+
 def recheck(args) -> int:
     """Rerun the first ``--iters`` iterations (default :data:`RECHECK_ITERS`) of a recorded
     job (:func:`recheck_key`: ``--job``, or the study's first in the results file, of
@@ -629,6 +683,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--run-dir", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--commit", required=True, help="the commit the rerun runs")
+    n = sub.add_parser("plan", help="what a lease on this GPU model runs and rechecks")
+    n.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
+    n.add_argument("--results", required=True)
+    n.add_argument("--seeds", nargs="*", type=int, default=[])
+    n.add_argument("--device", default=None, help="the GPU model (default: nvidia-smi's)")
+    n.add_argument("--shell", action="store_true", help="shell assignments for a lease script")
     t = sub.add_parser("table", help="the study's table (and curves)")
     t.add_argument("--results", required=True)
     t.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
@@ -636,7 +696,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         return {"start": start, "run-queue": run_queue, "poll": poll, "record": record,
-                "recheck": recheck, "table": table}[args.cmd](args)
+                "recheck": recheck, "plan": plan, "table": table}[args.cmd](args)
     except (OSError, ValueError, KeyError) as e:
         p.error(str(e))
     return 2

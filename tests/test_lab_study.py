@@ -622,3 +622,61 @@ def test_training_gaps_pair_each_job_with_zero3_of_its_seed():
         "| training loss vs zero3, % | 10 | 20 |", "|---|---:|---:|",
         "| all3@1 | +0.00 | -1.00 |", "| all3@2 | +1.00 | - |"]
     assert R.training_gaps(rows, at=(30,)) == ""  # control: nothing logged there
+
+
+def test_lease_plan_keeps_each_seed_on_the_gpu_model_of_its_records():
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    z = D.FLOOR
+    recs = [_rec(job="smoke/zero3@seed1234", device=h100),
+            _rec(job="smoke/all3@seed1234", config="all3", device=h100),
+            _rec(job="other/all3@seed1235", study="other", config="all3", seed=1235,
+                 device=h200)]  # another study's: never rechecked for this one
+    results = {r["job"]: r for r in recs}
+    p = S.lease_plan(results, "smoke", h100)
+    assert p["seeds"] == [1234, 1235] and p["elsewhere"] == {}
+    assert p["jobs"] == [f"smoke/{z}@seed1234", "smoke/zero3@seed1235", "smoke/all3@seed1235",
+                         f"smoke/{z}@seed1235"]
+    assert (p["recheck"], p["recheck_all3"]) == ("smoke/zero3@seed1234", "smoke/all3@seed1234")
+    # another model: seed 1234's pairs stay on the H100; 1235 starts afresh, nothing to rerun
+    p = S.lease_plan(results, "smoke", h200)
+    assert p["seeds"] == [1235] and p["elsewhere"] == {1234: [h100]}
+    assert p["jobs"][0] == "smoke/zero3@seed1235"
+    assert (p["recheck"], p["recheck_all3"]) == (None, None)
+    # seed 1235's zero3 ran on the H200: the next H200 lease reruns it; an H100 lease leaves
+    # 1235 out and reruns 1234's
+    results["smoke/zero3@seed1235"] = _rec(job="smoke/zero3@seed1235", seed=1235, device=h200)
+    p = S.lease_plan(results, "smoke", h200)
+    assert p["jobs"] == ["smoke/all3@seed1235", f"smoke/{z}@seed1235"]
+    assert (p["recheck"], p["recheck_all3"]) == ("smoke/zero3@seed1235", None)
+    p = S.lease_plan(results, "smoke", h100)
+    assert p["seeds"] == [1234] and p["elsewhere"] == {1235: [h200]}
+    assert p["jobs"] == [f"smoke/{z}@seed1234"] and p["recheck"] == "smoke/zero3@seed1234"
+    # a finished seed: nothing to run, nothing to rerun
+    results[f"smoke/{z}@seed1234"] = _rec(job=f"smoke/{z}@seed1234", config=z, device=h100)
+    assert S.lease_plan(results, "smoke", h100, seeds=[1234]) == {
+        "study": "smoke", "device": h100, "seeds": [1234], "elsewhere": {},
+        "jobs": [], "recheck": None, "recheck_all3": None}
+    # a seed whose jobs already ran on both models pairs on neither
+    results["smoke/all3@seed1235"] = _rec(job="smoke/all3@seed1235", config="all3", seed=1235,
+                                         device=h100)
+    assert S.lease_plan(results, "smoke", h200)["elsewhere"] == {1234: [h100],
+                                                                 1235: [h100, h200]}
+    with pytest.raises(ValueError, match=r"seeds \[7\] are not study smoke's"):
+        S.lease_plan(results, "smoke", h100, seeds=[7])
+
+
+def test_plan_prints_assignments_a_lease_script_sources(tmp_path, capsys):
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(_rec(device="NVIDIA H200")) + "\n")
+    base = ["plan", "--study", "smoke", "--results", str(results), "--shell"]
+    assert S.main(base + ["--device", "NVIDIA H200"]) == 0
+    out, err = capsys.readouterr()
+    env = subprocess.run(["bash", "-c", out + 'printf "%s|" "$PLAN_SEEDS" "$PLAN_JOBS" '
+                          '"$PLAN_RECHECK" "$PLAN_RECHECK_ALL3"'], capture_output=True,
+                         text=True, check=True).stdout
+    assert env == ("1234 1235|smoke/all3@seed1234 smoke/zero3+2mb@seed1234 smoke/zero3@seed1235 "
+                   "smoke/all3@seed1235 smoke/zero3+2mb@seed1235|smoke/zero3@seed1234||")
+    assert "recheck first: smoke/zero3@seed1234" in err
+    assert S.main(base + ["--device", "NVIDIA H100 80GB HBM3", "--seeds", "1234"]) == 0
+    out, err = capsys.readouterr()
+    assert "PLAN_JOBS=''" in out and "seed 1234 left out: its jobs ran on NVIDIA H200" in err
