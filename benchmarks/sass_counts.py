@@ -35,8 +35,10 @@ from triton.compiler import ASTSource
 
 from megatron_zeropp.quant import triton_kernels as tk
 
-BS, TILE, WARPS = 256, 2048, 2
-TILE4, WARPS4 = 2048, 2  # the INT4 quantize (tk._CONFIG["quantize4"])
+BS = 256
+TILE, WARPS, _ = tk._CONFIG["reduce"]  # the INT4 dequantize-reduce-requantize
+TILE8, WARPS8, _ = tk._CONFIG["quantize"]
+TILE4, WARPS4, _ = tk._CONFIG["quantize4"]
 _DIV16 = [["tt.divisibility", 16]]  # or the loads and stores come out scalar
 
 
@@ -83,7 +85,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     per_thread = TILE / (32 * WARPS)
     for bits, name in ((8, "INT8 quantize"), (4, "INT4 swizzled quantize 2x4")):
-        tile, warps = (TILE, WARPS) if bits == 8 else (TILE4, WARPS4)
+        tile, warps = (TILE8, WARPS8) if bits == 8 else (TILE4, WARPS4)
         for sr in (False, True):
             sig = {"x_ptr": "*bf16", "data_ptr": "*i8" if bits == 8 else "*i32",
                    "scale_ptr": "*fp32", "keys_ptr": "*i64" if sr else "*fp32",

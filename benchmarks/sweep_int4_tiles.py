@@ -5,15 +5,15 @@ Launch (on a CUDA machine; megatron-core is not needed)::
 
     PYTHONPATH=$PWD python benchmarks/sweep_int4_tiles.py --json out.json
 
-Why: the static SASS counts (``sass_counts.py``) of the INT4 swizzled quantize fall from 19.6
-to 15.7 instructions per element from 32 to 64 elements per thread (1024 elements on one warp
-against 2048), as the per-thread work (block parameters with two IEEE divisions, the absmax's
-trip through shared memory, addressing) is shared by twice the elements; the kernel is bound by
-issue with stochastic rounding. Registers rise from 61 to 96 (no spills). Only a measurement
-says whether the lower occupancy costs more than that. Every output of every shape is compared
-bit for bit with the default shape's, whose own output is compared with the reference
-(``qgz_reference``); the tile shape must not change a bit. Rows go to ``--json`` as they come,
-so a run cut short keeps what it measured.
+Why: the static SASS counts (``sass_counts.py``) of the INT4 swizzled quantize with stochastic
+rounding fall from 20.6 to 16.7 instructions per element from 32 to 64 elements per thread (1024
+elements on one warp against 2048), as the per-thread work (block parameters with two IEEE
+divisions, the absmax's shuffles, addressing) is shared by twice the elements; the kernel is
+bound by issue with stochastic rounding on an H200. Registers rise from 61 to 96 (no spills).
+Only a measurement says whether the lower occupancy costs more than that. Every output of every
+shape is compared bit for bit with the default shape's, whose own output is compared with the
+reference (``qgz_reference``); the tile shape must not change a bit. Rows go to ``--json`` as
+they come, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -36,13 +36,25 @@ from megatron_zeropp.quant import reference as ref  # noqa: E402
 from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
 from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 
-# (elements per program, warps); None: the default of triton_kernels._CONFIG, first
-SHAPES = {"quantize4": [None, (2048, 1), (4096, 2), (4096, 1), (2048, 2), (8192, 4)],
+# (elements per program, warps[, fast]); None: the default of triton_kernels._CONFIG, first.
+# fast: the plain-tile test (_block_params), which spares a plain tile's codes the select and
+# the multiply by p; the INT4 quantize's default does not test. Its static counts with
+# stochastic rounding (sass_counts.py): 20.56 per element at the default 1024/1, 16.67 at
+# 2048/1; on the plain path of the test 19.56 and 15.69, before the test's own instructions.
+SHAPES = {"quantize4": [None, (2048, 1), (1024, 1, True), (2048, 1, True), (4096, 2), (4096, 1),
+                        (2048, 2), (8192, 4)],
           "reduce": [None, (4096, 2), (4096, 4), (8192, 4), (1024, 1), (2048, 1)]}
 
 
 def _tuning(shape):
-    return {} if shape is None else {"tile": shape[0], "num_warps": shape[1]}
+    if shape is None:
+        return {}
+    return {"tile": shape[0], "num_warps": shape[1], **({"fast": shape[2]} if shape[2:] else {})}
+
+
+def _label(shape):
+    return "default" if shape is None else "/".join(map(str, shape[:2])) + (
+        " fast" if shape[2:3] == (True,) else "")
 
 
 def run(numel: int, json_path=None) -> dict:
@@ -57,11 +69,11 @@ def run(numel: int, json_path=None) -> dict:
         gbs = moved / ms / 1e6
         row = {"kernel": kernel, "rounding": rounding,
                "tile": None if shape is None else shape[0],
-               "num_warps": None if shape is None else shape[1], "ms": ms, "GB/s": gbs,
+               "num_warps": None if shape is None else shape[1],
+               "fast": _tuning(shape).get("fast"), "ms": ms, "GB/s": gbs,
                "of_copy": gbs / out["copy_GB/s"], "check": check}
         out["rows"].append(row)
-        label = "default" if shape is None else f"{shape[0]}/{shape[1]}"
-        print(f"{kernel:10s} {rounding:10s} {label:>9s} {ms:8.3f} ms {gbs:6.0f} GB/s "
+        print(f"{kernel:10s} {rounding:10s} {_label(shape):>14s} {ms:8.3f} ms {gbs:6.0f} GB/s "
               f"{row['of_copy']:6.1%}  {check}", flush=True)
         if json_path:
             with open(json_path, "w") as f:

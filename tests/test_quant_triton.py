@@ -267,8 +267,9 @@ def test_stochastic_swizzle_and_requantize_match_the_reference(out):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_stochastic_kernels_match_c_and_the_reference_and_rerun_identically(bits):
     """Reference == C == Triton for every stochastic kernel (one hash per pair of columns):
-    quantize, swizzled quantize, dequantize-reduce-requantize through the generic path and the
-    INT4 nibble-major one (with and without the plain-tile test), then a rerun."""
+    quantize and swizzled quantize (with and without the plain-tile test),
+    dequantize-reduce-requantize through the generic path and the INT4 nibble-major one (with
+    and without it), then a rerun."""
     from megatron_zeropp.quant import cpu_native, rounding
     from megatron_zeropp.quant import qgz_reference as qref
     from megatron_zeropp.quant import reference as ref
@@ -279,12 +280,14 @@ def test_stochastic_kernels_match_c_and_the_reference_and_rerun_identically(bits
     want = ref.quantize_chunks(x, bits, 64, keys)
     assert same(cpu_native.quantize_chunks(x, bits, 64, keys), want)
     for tile in (64, 256):
-        assert same(tk.quantize_chunks(x, bits, 64, keys, tile=tile), want)
+        for fast in (False, True):  # the plain-tile test: zero, NaN, Inf and tiny blocks here
+            assert same(tk.quantize_chunks(x, bits, 64, keys, tile=tile, fast=fast), want)
     flat = x[2:].reshape(-1)  # no NaN: swizzled rows are whole chunks
     k8 = rounding.row_keys(12, range(8))
     want = qref.swizzled_quantize(flat, 2, 4, bits, 32, k8)
     assert same(cpu_native.swizzled_quantize(flat, 2, 4, bits, 32, k8), want)
-    assert same(tk.swizzled_quantize(flat, 2, 4, bits, 32, k8, tile=64), want)
+    for fast in (False, True):
+        assert same(tk.swizzled_quantize(flat, 2, 4, bits, 32, k8, tile=64, fast=fast), want)
     data, scales = ref.quantize_chunks(tricky(6, 512, torch.float32, seed=7), bits, 128)
     data, scales = data.view(3, 2, -1), scales.view(3, 2, -1)
     k2 = rounding.row_keys(13, range(2))
