@@ -1,0 +1,38 @@
+"""benchmarks/sweep_int4_tiles.py on CPU tensors under Triton's interpreter: the first thing a
+lease on an H200 runs, so a shape that no longer compiles or changes a bit shows here first.
+The timings mean nothing on CPU; the bit checks are the ones the device run makes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_every_shape_runs_and_matches_the_default_bit_for_bit(tmp_path):
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sweep_int4_tiles as sweep
+
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_int4_tiles.py"),
+                           "--smoke-cpu", "--numel", "16384", "--json", str(out)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    # every shape of both kernels with both roundings, none skipped as failing to compile
+    ran = {(r["kernel"], r["rounding"], r["tile"], r["num_warps"], r["fast"]) for r in rows}
+    want = {(k, rounding, *(sweep._tuning(s).get(x) for x in ("tile", "num_warps", "fast")))
+            for k, shapes in sweep.SHAPES.items() for s in shapes
+            for rounding in ("nearest", "stochastic")}
+    assert ran == want and len(rows) == len(want)
+    # the default's stochastic output against the reference, every other shape against the default
+    assert {r["check"] for r in rows if r["tile"] is None} == {"-", "reference"}
+    assert {r["check"] for r in rows if r["tile"] is not None} == {"= default"}
+    assert {(r["tile"], r["fast"]) for r in rows if r["kernel"] == "quantize4"} >= {
+        (1024, True), (2048, True), (2048, None)}
