@@ -454,8 +454,9 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     the first recorded job of the first job's seed (``None`` when that seed has none yet: its
     jobs then pair among themselves); ``recheck_all3``: the study's first ``all3`` recorded
     on this model (the quantized paths must compute as they did for the seeds before),
-    ``None`` if there is none. Jobs run seed by seed, so only the first seed of a lease can
-    have jobs from an earlier lease."""
+    ``None`` if there is none. ``jobs`` stop before a second seed with a record (its jobs
+    need their own recheck: the next lease's first), which only a job that ended without a
+    record leaves behind: jobs run seed by seed."""
     name = study_named(study)
     asked = list(seeds) or list(name.seeds)
     pending(study, {}, {}, seeds=asked)  # a seed the study does not run raises
@@ -467,6 +468,9 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     here = [s for s in asked if s not in elsewhere]
     todo = pending(study, results, {}, seeds=here) if here else []
     first = todo[0][1] if todo else None
+    recorded = {r["seed"] for r in mine.values()}
+    later = [i for i, (_, s) in enumerate(todo) if s != first and s in recorded]
+    todo = todo[:later[0]] if later else todo
     return {"study": study, "device": device, "seeds": here, "elsewhere": elsewhere,
             "jobs": [job_key(study, c, s) for c, s in todo],
             "recheck": next((k for k, r in mine.items() if r["seed"] == first), None),

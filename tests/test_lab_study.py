@@ -663,6 +663,14 @@ def test_lease_plan_keeps_each_seed_on_the_gpu_model_of_its_records():
                                                                  1235: [h100, h200]}
     with pytest.raises(ValueError, match=r"seeds \[7\] are not study smoke's"):
         S.lease_plan(results, "smoke", h100, seeds=[7])
+    # a job of seed 1234 ended without a record while 1235's ran: the lease stops before
+    # 1235, whose jobs need their own recheck
+    results = {r["job"]: r for r in (
+        _rec(job="smoke/zero3@seed1234", device=h100),
+        _rec(job="smoke/zero3@seed1235", seed=1235, device=h100))}
+    p = S.lease_plan(results, "smoke", h100)
+    assert p["jobs"] == ["smoke/all3@seed1234", f"smoke/{z}@seed1234"]
+    assert p["recheck"] == "smoke/zero3@seed1234"
 
 
 def test_plan_prints_assignments_a_lease_script_sources(tmp_path, capsys):
