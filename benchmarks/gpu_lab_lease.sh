@@ -92,7 +92,7 @@ if [ "${RECHECK:-1}" = 1 ]; then
     recheck all3 "$OUT/recheck_all3" "$PLAN_RECHECK_ALL3" --iters 30
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
-    ${MBS:+--micro-batch-size "$MBS"} --seeds $PLAN_SEEDS --data-dir /tmp/lab_data \
+    ${MBS:+--micro-batch-size "$MBS"} --keys $PLAN_JOBS --data-dir /tmp/lab_data \
     --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
 date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
 left=$((WAIT * 60 - SECONDS))

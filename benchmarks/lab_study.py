@@ -231,6 +231,11 @@ def start(args) -> int:
                          "poll it, or use another --run-dir")
     ledger = _read_ledger(args.run_dir)
     todo = pending(args.study, read_results(args.results), ledger, args.only, args.seeds)
+    if args.keys:  # exactly these, in the study's order (a lease's plan)
+        left = sorted(set(args.keys) - {job_key(args.study, c, s) for c, s in todo})
+        if left:
+            raise ValueError(f"--keys {left}: not pending in study {args.study}")
+        todo = [(c, s) for c, s in todo if job_key(args.study, c, s) in args.keys]
     chosen = []
     for config, seed in todo[:args.jobs]:
         key = job_key(args.study, config, seed)
@@ -650,6 +655,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--seeds", nargs="*", type=int, default=[],
                    help="only these seeds' jobs (e.g. to finish a seed on the GPU model its "
                         "first jobs ran on)")
+    s.add_argument("--keys", nargs="*", default=[],
+                   help="only these jobs (e.g. plan's PLAN_JOBS); each must be pending")
     s.add_argument("--data-dir", required=True)
     s.add_argument("--run-dir", required=True)
     s.add_argument("--results", required=True)

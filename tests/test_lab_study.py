@@ -688,3 +688,21 @@ def test_plan_prints_assignments_a_lease_script_sources(tmp_path, capsys):
     assert S.main(base + ["--device", "NVIDIA H100 80GB HBM3", "--seeds", "1234"]) == 0
     out, err = capsys.readouterr()
     assert "PLAN_JOBS=''" in out and "seed 1234 left out: its jobs ran on NVIDIA H200" in err
+
+
+def test_start_keys_queues_exactly_the_plans_jobs(tmp_path, monkeypatch, sample_dir):
+    monkeypatch.setattr(S, "_launch", lambda entry: subprocess.Popen([sys.executable, "-c", ""]))
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(_rec()) + "\n")  # smoke/zero3@seed1234 recorded
+    base = ["start", "--study", "smoke", "--jobs", "9", "--data-dir", sample_dir,
+            "--results", str(results), "--commit", "abc"]
+    keys = ["smoke/zero3@seed1235", f"smoke/{D.FLOOR}@seed1234"]  # given out of order
+    assert S.main(base + ["--run-dir", str(tmp_path / "a"), "--keys", *keys]) == 0
+    assert list(S._read_ledger(str(tmp_path / "a"))) == [keys[1], keys[0]]  # the study's order
+    for bad in ("smoke/zero3@seed1234", "smoke/all3@seed7"):  # recorded; not in the study
+        with pytest.raises(SystemExit):
+            S.main(base + ["--run-dir", str(tmp_path / "b"), "--keys", bad])
+        assert not (tmp_path / "b" / "jobs.json").exists()
+    # control: without --keys, every pending job of the study
+    assert S.main(base + ["--run-dir", str(tmp_path / "c")]) == 0
+    assert len(S._read_ledger(str(tmp_path / "c"))) == 5
