@@ -82,6 +82,7 @@ from lab_study_report import (  # noqa: E402
     recheck_line,
     rechecks_path,
     same_as_zero3,
+    switch_lines,
     targets,
     training_gaps,
 )
@@ -625,7 +626,8 @@ def table(args) -> int:
         print(recheck_line(r))
     print(L.table(summ))
     study = study_named(args.study)
-    for line in targets(summ, study) + floor_lines(summ) + same_as_zero3(records):
+    for line in (targets(summ, study) + floor_lines(summ) + switch_lines(summ)
+                 + same_as_zero3(records)):
         print(line)
     gaps = training_gaps(records)
     if gaps:

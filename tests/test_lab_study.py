@@ -706,3 +706,17 @@ def test_start_keys_queues_exactly_the_plans_jobs(tmp_path, monkeypatch, sample_
     # control: without --keys, every pending job of the study
     assert S.main(base + ["--run-dir", str(tmp_path / "c")]) == 0
     assert len(S._read_ledger(str(tmp_path / "c"))) == 5
+
+
+def test_switch_lines_pair_configurations_that_differ_in_one_switch():
+    def summ(**by_config):
+        return {c.replace("_", "+"): {"val_loss": v} for c, v in by_config.items()}
+
+    assert R.switch_lines({}) == []
+    one = R.switch_lines(summ(all3={1: 3.03}, qwz_hpz={1: 3.0}))
+    assert one == ["qgZ (all3 vs qwz+hpz, same seed): +1.000 % (1: +1.000 %)"]
+    # seeds 1 and 2 paired (+1 % and +3 %: mean 2, s.e. 1); seed 3 has no all3+diff4
+    two = R.switch_lines(summ(all3={1: 2.0, 2: 2.0, 3: 2.0},
+                              all3_diff4={1: 2.02, 2: 2.06, 3: None}))
+    assert two == ["4-bit weight differences (all3+diff4 vs all3, same seed): +2.000 % +- 1.000 "
+                   "(1: +1.000 %, 2: +3.000 %)"]
