@@ -185,14 +185,20 @@ def summary(results: Dict[str, dict], seeds: Sequence[int],
         mine = statistics.fmean(entry["val_loss"][s] for s in both) if both else None
         theirs = statistics.fmean(base[s] for s in both) if both else None
         entry["gap_pct"] = 100 * (mine - theirs) / theirs if both else None
-        entry["paired_gap_pct"] = {
-            s: 100 * (entry["val_loss"][s] - base[s]) / base[s] for s in both}
-        gaps = list(entry["paired_gap_pct"].values())
-        entry["paired_gap_mean_pct"] = statistics.fmean(gaps) if gaps else None
-        # standard error of that mean: the seeds are independent draws of the same run
-        entry["paired_gap_se_pct"] = (statistics.stdev(gaps) / len(gaps) ** 0.5
-                                      if len(gaps) > 1 else None)
+        (entry["paired_gap_pct"], entry["paired_gap_mean_pct"],
+         entry["paired_gap_se_pct"]) = paired_gaps(entry["val_loss"], base)
     return out
+
+
+def paired_gaps(values: Dict[int, Optional[float]], base: Dict[int, Optional[float]]):
+    """``({seed: gap %}, mean, standard error)`` of ``values`` against ``base`` over the seeds
+    both have (``None`` where there is nothing to average; the standard error needs two seeds:
+    the seeds are independent draws of the same run)."""
+    gaps = {s: 100 * (v - base[s]) / base[s] for s, v in values.items()
+            if v is not None and base.get(s) is not None}
+    vals = list(gaps.values())
+    return (gaps, statistics.fmean(vals) if vals else None,
+            statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else None)
 
 
 def table(summ: Dict[str, dict]) -> str:

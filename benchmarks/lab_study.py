@@ -436,18 +436,20 @@ def compare_to_record(rec: dict, history: dict, iters: int) -> dict:
 
 
 def recheck_key(results: Dict[str, dict], study: str, job: Optional[str] = None,
-                config: Optional[str] = None) -> Optional[str]:
+                config: Optional[str] = None, seed: Optional[int] = None,
+                device: Optional[str] = None) -> Optional[str]:
     """The job a recheck reruns: ``job`` if given (it must be recorded), else the first
-    recorded job of ``study`` (of configuration ``config`` if given); ``None`` if there is
-    none yet."""
+    recorded job of ``study`` (of configuration ``config``, seed ``seed`` and GPU model
+    ``device`` where given); ``None`` if there is none yet."""
     if job is not None:
         if config is not None:
             raise ValueError(f"--job {job} and --config {config}: name one")
         if job not in results:
             raise ValueError(f"--job {job} is not in the results (recorded: {sorted(results)})")
         return job
-    mine = [k for k, r in results.items() if r["study"] == study
-            and (config is None or r["config"] == config)]
+    want = {"study": study, "config": config, "seed": seed, "device": device}
+    mine = [k for k, r in results.items()
+            if all(v is None or r[f] == v for f, v in want.items())]
     return mine[0] if mine else None
 
 
@@ -479,9 +481,9 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     todo = todo[:later[0]] if later else todo
     return {"study": study, "device": device, "seeds": here, "elsewhere": elsewhere,
             "jobs": [job_key(study, c, s) for c, s in todo],
-            "recheck": next((k for k, r in mine.items() if r["seed"] == first), None),
-            "recheck_all3": next((k for k, r in mine.items() if todo and r["config"] == "all3"
-                                  and r["device"] == device), None)}
+            "recheck": recheck_key(results, study, seed=first) if todo else None,
+            "recheck_all3": (recheck_key(results, study, config="all3", device=device)
+                             if todo else None)}
 
 
 def plan(args) -> int:

@@ -185,16 +185,13 @@ def switch_lines(summ: Dict[str, dict]) -> List[str]:
     the floor (:func:`floor_lines`) it says which switch a missed target comes from."""
     lines = []
     for name, on, off in SWITCHES:
-        a, b = (summ.get(on) or {}).get("val_loss", {}), (summ.get(off) or {}).get("val_loss", {})
-        gaps = {s: 100.0 * (a[s] / b[s] - 1.0) for s in sorted(a)
-                if a[s] is not None and b.get(s) is not None}
+        gaps, mean, se = L.paired_gaps((summ.get(on) or {}).get("val_loss", {}),
+                                       (summ.get(off) or {}).get("val_loss", {}))
         if not gaps:
             continue
-        mean = statistics.fmean(gaps.values())
-        se = (f" +- {statistics.stdev(gaps.values()) / len(gaps) ** 0.5:.3f}"
-              if len(gaps) > 1 else "")
-        per_seed = ", ".join(f"{s}: {g:+.3f} %" for s, g in gaps.items())
-        lines.append(f"{name} ({on} vs {off}, same seed): {mean:+.3f} %{se} ({per_seed})")
+        per_seed = ", ".join(f"{s}: {g:+.3f} %" for s, g in sorted(gaps.items()))
+        lines.append(f"{name} ({on} vs {off}, same seed): {mean:+.3f} %"
+                     + (f" +- {se:.3f}" if se is not None else "") + f" ({per_seed})")
     return lines
 
 
