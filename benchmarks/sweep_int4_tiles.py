@@ -53,8 +53,9 @@ def _tuning(shape):
 
 
 def _label(shape):
-    return "default" if shape is None else "/".join(map(str, shape[:2])) + (
-        " fast" if shape[2:3] == (True,) else "")
+    t = _tuning(shape)
+    return (f"{t['tile']}/{t['num_warps']}" + (" fast" if t.get("fast") else "")
+            if t else "default")
 
 
 def run(numel: int, json_path=None) -> dict:
@@ -67,10 +68,9 @@ def run(numel: int, json_path=None) -> dict:
     def add(kernel, rounding, shape, moved, fn, check):
         ms = bench(fn)
         gbs = moved / ms / 1e6
-        row = {"kernel": kernel, "rounding": rounding,
-               "tile": None if shape is None else shape[0],
-               "num_warps": None if shape is None else shape[1],
-               "fast": _tuning(shape).get("fast"), "ms": ms, "GB/s": gbs,
+        t = _tuning(shape)
+        row = {"kernel": kernel, "rounding": rounding, "tile": t.get("tile"),
+               "num_warps": t.get("num_warps"), "fast": t.get("fast"), "ms": ms, "GB/s": gbs,
                "of_copy": gbs / out["copy_GB/s"], "check": check}
         out["rows"].append(row)
         print(f"{kernel:10s} {rounding:10s} {_label(shape):>14s} {ms:8.3f} ms {gbs:6.0f} GB/s "
