@@ -7,25 +7,31 @@
 # lease poll (--wait: until the running job has its record, or that many seconds):
 #   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/lab_study.py poll --run-dir /tmp/study \
 #       --out $OUT --data-dir /tmp/lab_data --wait 540
-# What it runs is lab_study.py plan's for this GPU model (OUT/plan.txt says why): a seed whose
+# What it runs is lab_study.py plan's for this GPU model (OUT/lease.txt says why): a seed whose
 # jobs ran on another model is left out (its jobs pair with zero3 of the seed bit for bit only
 # on the model that ran it). Before it queues, it reruns 100 iterations of the first recorded
 # job of the first queued job's seed and 30 of the study's first all3 job recorded on this
 # model, and compares them with their records (lab_study.py recheck; RECHECK=0 skips both;
-# verdicts in OUT/recheck.json and OUT/recheck_all3/recheck.json); if either differs it queues
+# verdicts in OUT/recheck_first.json and OUT/recheck_all3.json); if either differs it queues
 # nothing. Nothing recorded to rerun (a new seed, a new model): no recheck. If this model can
 # run nothing of STUDY, it exits with code 4 before queueing.
 # With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
 # one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
-# at micro-batch size 4 and checks.txt says so.
+# at micro-batch size 4 and lease.txt says so.
 # The jobs' ranks share the GPU through a CUDA MPS daemon started here (benchmarks/_mps.sh: 0.58x
 # the seconds per iteration, the same logged losses); MPS=0 leaves them time-slicing. The daemon
 # stays for the later calls of the lease and goes with the machine.
+# OUT gets at most 7 files (lease.txt, the two verdicts, the poll's records.jsonl, status.json
+# and partial.jsonl, CHECKS' speed JSON): the device returns 8 files of a call and drops the
+# rest (a ninth file, recheck_all3/recheck.json, was dropped on 2026-12-06), so one is left for
+# the call's own use (the H200 tile sweep's JSON). The script warns if OUT holds more than 8.
+# Scratch files (the wheel's install, the corpus, the plan, the jobs) go under SCRATCH
+# (default /tmp, which the poll command above names).
 #
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
 # SEEDS="1235 1236" plans only those seeds' jobs.
-# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
+# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] [SCRATCH=/tmp] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
@@ -33,69 +39,80 @@ STUDY=${3:?study (125m, 350m)}
 JOBS=${4:?jobs to queue}
 WAIT=${5:?minutes from the start to the poll}
 MBS=${MBS:-}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+S=${SCRATCH:-/tmp}
+LOG=$OUT/lease.txt
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$S/site" .whl/*.whl || exit 1
+export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$OUT/gpu.txt"
-mkdir -p /tmp/lab_data && tar xJf runs/lab_data.tar.xz -C /tmp/lab_data || exit 1
+  date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$LOG"
+mkdir -p "$S/lab_data" && tar xJf runs/lab_data.tar.xz -C "$S/lab_data" || exit 1
 python3 benchmarks/lab_study.py plan --study "$STUDY" --results docs/lab_study/results.jsonl \
-    ${SEEDS:+--seeds $SEEDS} --shell > /tmp/plan.sh 2> "$OUT/plan.txt" || { cat "$OUT/plan.txt"; exit 1; }
-cat "$OUT/plan.txt"
+    ${SEEDS:+--seeds $SEEDS} --shell > "$S/plan.sh" 2> "$S/plan.txt" || { cat "$S/plan.txt"; exit 1; }
+tee -a "$LOG" < "$S/plan.txt"
 # shellcheck source=/dev/null
-. /tmp/plan.sh
+. "$S/plan.sh"
 if [ -z "$PLAN_JOBS" ]; then
-    echo "[lease] nothing of $STUDY to run on this GPU model: no job queued"
+    echo "[lease] nothing of $STUDY to run on this GPU model: no job queued" | tee -a "$LOG"
     exit 4
 fi
 if [ "${MPS:-1}" = 1 ]; then
     # shellcheck source=benchmarks/_mps.sh
     . benchmarks/_mps.sh
-    mps_start >> "$OUT/gpu.txt"  # not in a pipe: its exports reach the queue runner
+    mps_start >> "$LOG"  # not in a pipe: its exports reach the queue runner
 fi
 if [ "${CHECKS:-0}" = 1 ]; then
-    mkdir -p /tmp/checks
-    if python3 benchmarks/lab_profile.py --out /tmp/checks/lab_speed_mbs"${MBS:-8}".json \
+    mkdir -p "$S/checks"
+    if python3 benchmarks/lab_profile.py --out "$S/checks/lab_speed_mbs${MBS:-8}.json" \
             --model 125m --configs zero3 --runs one lab-shared --iters 10 \
-            --micro-batch-size "${MBS:-8}" > "$OUT/checks.txt" 2>&1; then
-        cp /tmp/checks/lab_speed_mbs"${MBS:-8}".json "$OUT/"
+            --micro-batch-size "${MBS:-8}" > "$S/checks.txt" 2>&1; then
+        cp "$S/checks/lab_speed_mbs${MBS:-8}.json" "$OUT/"
     else
         echo "[lease] the speed check at micro-batch ${MBS:-8} failed: the study runs at 4" \
-            | tee -a "$OUT/checks.txt"
+            >> "$S/checks.txt"
         MBS=4
     fi
-    tail -5 "$OUT/checks.txt"
+    tail -5 "$S/checks.txt"
+    cat "$S/checks.txt" >> "$LOG"
 fi
-recheck() {  # recheck NAME OUT_DIR JOB [ARGS...]: lab_study.py recheck; exits unless it passes
-    local name=$1 dir=$2 job=$3 rc
-    shift 3
+recheck() {  # recheck NAME JOB [ARGS...]: lab_study.py recheck; exits unless it passes
+    local name=$1 job=$2 rc
+    shift 2
     if [ -z "$job" ]; then
-        echo "[lease] recheck ($name): nothing recorded to rerun" | tee "$OUT/recheck_$name.txt"
+        echo "[lease] recheck ($name): nothing recorded to rerun" | tee -a "$LOG"
         return
     fi
     python3 benchmarks/lab_study.py recheck --study "$STUDY" --job "$job" \
-        --data-dir /tmp/lab_data --run-dir /tmp/recheck --results docs/lab_study/results.jsonl \
-        --out "$dir" --commit "$COMMIT" "$@" > "$OUT/recheck_$name.txt" 2>&1
+        --data-dir "$S/lab_data" --run-dir "$S/recheck" --results docs/lab_study/results.jsonl \
+        --out "$S/recheck_$name" --commit "$COMMIT" "$@" > "$S/recheck_$name.txt" 2>&1
     rc=$?
-    tail -3 "$OUT/recheck_$name.txt"
+    cp "$S/recheck_$name/recheck.json" "$OUT/recheck_$name.json" 2>/dev/null
+    tail -3 "$S/recheck_$name.txt"
+    cat "$S/recheck_$name.txt" >> "$LOG"
     if [ "$rc" != 0 ]; then
         echo "[lease] the recheck ($name) did not pass (exit code $rc): no job queued;" \
-            "RECHECK=0 queues"
+            "RECHECK=0 queues" | tee -a "$LOG"
         exit "$rc"
     fi
 }
 if [ "${RECHECK:-1}" = 1 ]; then
     # A rerun of the first queued seed's first recorded job (100 iterations, ~1 minute): this
     # machine and commit must log its numbers, or the jobs below would not pair with it.
-    recheck first "$OUT" "$PLAN_RECHECK"
+    recheck first "$PLAN_RECHECK"
     # 30 iterations of an all3 job recorded on this model (~30 s): the quantized paths (qwZ,
     # hpZ, qgZ's kernels and stochastic rounding) that the zero3 rerun does not run.
-    recheck all3 "$OUT/recheck_all3" "$PLAN_RECHECK_ALL3" --iters 30
+    recheck all3 "$PLAN_RECHECK_ALL3" --iters 30
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
-    ${MBS:+--micro-batch-size "$MBS"} --keys $PLAN_JOBS --data-dir /tmp/lab_data \
-    --run-dir /tmp/study --results docs/lab_study/results.jsonl --commit "$COMMIT" || exit 1
-date -u '+queued %H:%M:%S UTC' >> "$OUT/gpu.txt"
+    ${MBS:+--micro-batch-size "$MBS"} --keys $PLAN_JOBS --data-dir "$S/lab_data" \
+    --run-dir "$S/study" --results docs/lab_study/results.jsonl --commit "$COMMIT" 2>&1 \
+    | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+date -u '+queued %H:%M:%S UTC' >> "$LOG"
 left=$((WAIT * 60 - SECONDS))
 if [ "$left" -gt 0 ]; then sleep "$left"; fi
-python3 benchmarks/lab_study.py poll --run-dir /tmp/study --out "$OUT" --data-dir /tmp/lab_data
-nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv >> "$OUT/gpu.txt"
+python3 benchmarks/lab_study.py poll --run-dir "$S/study" --out "$OUT" --data-dir "$S/lab_data"
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv >> "$LOG"
+files=$(find "$OUT" -type f | wc -l)
+if [ "$files" -gt 8 ]; then
+    echo "[lease] warning: OUT holds $files files; the device returns 8 of them" | tee -a "$LOG"
+fi

@@ -1,0 +1,140 @@
+"""benchmarks/gpu_lab_lease.sh as a lease's first call runs it, on CPU: the real plan
+(lab_study.py plan, on a results file with records on the stand-in GPU model), the rest of the
+device's programs stood in for (nvidia-smi, pip, the recheck, the queue, the poll), so what is
+tested is the script's own flow and what it leaves in OUT. The device returns at most 8 files of
+a call (a ninth, a recheck verdict, was dropped on 2026-12-06): the script must leave room for
+the call's own JSON beside its files."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = "NVIDIA H100 80GB HBM3"
+DEVICE_FILES = 8  # what the device returns of a call's OUT
+
+
+def _stand_ins(bin_dir, fail_recheck=False):
+    """python3: the real interpreter for plan, stand-ins that write what their program writes
+    for what needs a GPU or the wheel; nvidia-smi: the stand-in GPU."""
+    os.makedirs(bin_dir)
+    py = f"""#!/usr/bin/env bash
+all="$*"
+out=""
+prev=""
+for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+case "$all" in
+  *"-m pip install"*) exit 0 ;;
+  *"lab_study.py recheck"*)
+    mkdir -p "$out"
+    echo '{{"identical": {"false" if fail_recheck else "true"}}}' > "$out/recheck.json"
+    echo "recheck: stand-in"; exit {3 if fail_recheck else 0} ;;
+  *"lab_study.py start"*) echo "queued (stand-in)"; exit 0 ;;
+  *"lab_study.py poll"*)
+    for f in records.jsonl status.json partial.jsonl; do echo '{{}}' > "$out/$f"; done; exit 0 ;;
+  *lab_profile.py*) mkdir -p "$(dirname "$out")"; echo '{{}}' > "$out"; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+"""
+    smi = f"""#!/usr/bin/env bash
+case "$*" in
+  *memory.used*) echo "memory.used [MiB], utilization.gpu [%]"; echo "1 MiB, 0 %" ;;
+  *name,memory*) echo "{GPU}, 81559 MiB, 580.159.04" ;;
+  *) echo "{GPU}" ;;
+esac
+"""
+    for name, text in (("python3", py), ("nvidia-smi", smi)):
+        path = os.path.join(bin_dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+
+
+def _record(job, config):
+    return {"job": job, "study": "smoke", "config": config, "seed": 1234, "iters": 20,
+            "flags": [], "micro_batch_size": 2, "device": GPU, "commit": "abc",
+            "gpu_sharing": "mps", "corpus": {"train_sha256": "ff"},
+            "loss_every_10": [[10, 5.25], [20, 4.5]], "val_loss": [[10, 5.5], [20, 4.75]],
+            "final_val_loss": 4.75, "last_iteration": 20}
+
+
+def _lease(tmp_path, fail_recheck=False, preload=0, **env):
+    """Run the script in a copy of the repo's layout whose results hold zero3 and all3 of seed
+    1234 on the stand-in GPU (so both rechecks run), with ``preload`` files already in OUT (a
+    call's own); returns (process, OUT)."""
+    work = tmp_path / "repo"
+    (work / "docs" / "lab_study").mkdir(parents=True)
+    for name in ("benchmarks", "megatron_zeropp", "tools"):
+        os.symlink(os.path.join(REPO, name), work / name)
+    with open(work / "docs" / "lab_study" / "results.jsonl", "w") as f:
+        for config in ("zero3", "all3"):
+            f.write(json.dumps(_record(f"smoke/{config}@seed1234", config)) + "\n")
+    (work / ".whl").mkdir()
+    (work / ".whl" / "megatron_core-0-py3-none-any.whl").write_text("")
+    (work / "runs").mkdir()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text\n")
+    with tarfile.open(work / "runs" / "lab_data.tar.xz", "w:xz") as t:
+        t.add(corpus, arcname="corpus.txt")
+    _stand_ins(tmp_path / "bin", fail_recheck)
+    out = tmp_path / "out"
+    out.mkdir()
+    for k in range(preload):
+        (out / f"own{k}.json").write_text("{}")
+    environ = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", MPS="0",
+                   SCRATCH=str(tmp_path / "scratch"), **env)
+    proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_lab_lease.sh"),
+                           str(out), "abc", "smoke", "2", "0"], cwd=work, env=environ,
+                          capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def _files(out):
+    return sorted(os.path.relpath(os.path.join(d, f), out)
+                  for d, _, fs in os.walk(out) for f in fs)
+
+
+@pytest.mark.parametrize("checks", ["0", "1"])
+def test_a_lease_leaves_room_in_out_for_the_calls_own_file(tmp_path, checks):
+    proc, out = _lease(tmp_path, CHECKS=checks)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = _files(out)
+    expected = ["lease.txt", "partial.jsonl", "recheck_all3.json", "recheck_first.json",
+                "records.jsonl", "status.json"]
+    if checks == "1":
+        expected = sorted(expected + ["lab_speed_mbs8.json"])
+    assert files == expected
+    assert len(files) <= DEVICE_FILES - 1
+    # names the device returns: letters, digits, '.', '_' and '-', at most 2 folders down
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+){0,2}", f) for f in files)
+    log = (out / "lease.txt").read_text()
+    assert log.startswith(f"{GPU}, 81559 MiB")
+    assert "[plan] smoke on NVIDIA H100 80GB HBM3" in log  # the real plan's lines
+    assert log.count("recheck: stand-in") == 2 and "queued (stand-in)" in log
+    assert "warning" not in log
+    # the scratch files went to SCRATCH, not OUT
+    assert (tmp_path / "scratch" / "plan.sh").exists()
+    assert (tmp_path / "scratch" / "lab_data" / "corpus.txt").exists()
+
+
+def test_a_failing_recheck_queues_nothing_and_keeps_its_verdict(tmp_path):
+    proc, out = _lease(tmp_path, fail_recheck=True)
+    assert proc.returncode == 3
+    assert _files(out) == ["lease.txt", "recheck_first.json"]
+    assert json.loads((out / "recheck_first.json").read_text()) == {"identical": False}
+    log = (out / "lease.txt").read_text()
+    assert "the recheck (first) did not pass (exit code 3)" in log
+    assert "queued (stand-in)" not in log
+
+
+def test_the_warning_fires_when_out_holds_more_than_the_device_returns(tmp_path):
+    # negative control of the count: two files of the call's own beside the script's seven
+    proc, out = _lease(tmp_path, preload=2, CHECKS="1")
+    assert proc.returncode == 0 and len(_files(out)) == DEVICE_FILES + 1
+    assert "[lease] warning: OUT holds 9 files; the device returns 8 of them" in proc.stdout
+    assert "warning: OUT holds 9 files" in (out / "lease.txt").read_text()
