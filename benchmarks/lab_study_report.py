@@ -73,28 +73,33 @@ def exact_weights(records: Sequence[dict]) -> List[dict]:
 def layer_errors(records: Sequence[dict]) -> List[str]:
     """Per configuration and diagnostic (qwZ's weight error, qgZ's reduction error), each
     layer's relative error as a mean over the measured iterations after the first and over
-    the seeds, largest first: where a configuration's error sits. Nothing for records without
-    the diagnostics."""
+    the seeds, largest first: where a configuration's error sits; then the whole model's
+    error per seed (mean over the same iterations): whether a seed with a larger gap also had
+    a larger error. Nothing for records without the diagnostics."""
     lines = []
     for config in CONFIGS:
         for what in ("qwz_error", "qgz_error"):
             per_unit: Dict[str, List[float]] = {}
-            seeds = set()
+            per_seed: Dict[int, List[float]] = {}
             for r in records:
                 if r["config"] != config or not r.get(what):
                     continue
-                seeds.add(r["seed"])
                 for line in r[what]:
                     if line["iteration"] > 1:  # 1: the initial weights, not what training sees
+                        per_seed.setdefault(r["seed"], []).append(line["total"])
                         for unit, v in line["units"].items():
                             per_unit.setdefault(unit, []).append(v)
             if not per_unit:
                 continue
             means = sorted(((statistics.fmean(v), u) for u, v in per_unit.items()),
                            reverse=True)
-            lines.append(f"{config}, {what.replace('_', ' ')} per layer (mean over measured "
-                         f"iterations > 1 and seeds {sorted(seeds)}): " +
+            name = what.replace("_", " ")
+            lines.append(f"{config}, {name} per layer (mean over measured iterations > 1 and "
+                         f"seeds {sorted(per_seed)}): " +
                          ", ".join(f"{u} {m:.3e}" for m, u in means))
+            lines.append(f"{config}, {name} of the whole model per seed (same iterations): " +
+                         ", ".join(f"{s}: {statistics.fmean(v):.3e}"
+                                   for s, v in sorted(per_seed.items())))
     return lines
 
 

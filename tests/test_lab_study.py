@@ -575,13 +575,16 @@ def test_layer_errors_rank_the_layers_over_iterations_and_seeds():
     def rec(seed, lines):
         return {"config": "all3", "seed": seed, "qwz_error": lines, "qgz_error": []}
 
-    rows = [rec(1, [{"iteration": 1, "units": {"a": 9.0, "b": 9.0}},  # left out: iteration 1
-                    {"iteration": 100, "units": {"a": 1e-3, "b": 4e-3}}]),
-            rec(2, [{"iteration": 100, "units": {"a": 3e-3, "b": 2e-3}}]),
+    rows = [rec(1, [{"iteration": 1, "units": {"a": 9.0, "b": 9.0}, "total": 9.0},  # left out
+                    {"iteration": 100, "units": {"a": 1e-3, "b": 4e-3}, "total": 3e-3},
+                    {"iteration": 200, "units": {"a": 1e-3, "b": 4e-3}, "total": 5e-3}]),
+            rec(2, [{"iteration": 100, "units": {"a": 3e-3, "b": 2e-3}, "total": 2.5e-3}]),
             {"config": "zero3", "seed": 1, "qwz_error": [], "qgz_error": []}]
     assert R.layer_errors(rows) == [
         "all3, qwz error per layer (mean over measured iterations > 1 and seeds [1, 2]): "
-        "b 3.000e-03, a 2.000e-03"]
+        "b 3.333e-03, a 1.667e-03",
+        "all3, qwz error of the whole model per seed (same iterations): 1: 4.000e-03, "
+        "2: 2.500e-03"]
     assert R.layer_errors(rows[2:]) == []  # control: no diagnostic, no line
 
 
