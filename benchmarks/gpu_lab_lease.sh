@@ -31,7 +31,8 @@
 # Needs (carried, ignored by git): .whl/ (megatron-core 0.16.1 cp312 wheel) and
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
 # SEEDS="1235 1236" plans only those seeds' jobs.
-# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] [SCRATCH=/tmp] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
+# ALL3_ITERS (default 30) sets the all3 recheck's iterations (a rehearsal's smoke study runs 20).
+# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] [SCRATCH=/tmp] [ALL3_ITERS=30] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDY JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
@@ -100,7 +101,7 @@ if [ "${RECHECK:-1}" = 1 ]; then
     recheck first "$PLAN_RECHECK"
     # 30 iterations of an all3 job recorded on this model (~30 s): the quantized paths (qwZ,
     # hpZ, qgZ's kernels and stochastic rounding) that the zero3 rerun does not run.
-    recheck all3 "$PLAN_RECHECK_ALL3" --iters 30
+    recheck all3 "$PLAN_RECHECK_ALL3" --iters "${ALL3_ITERS:-30}"
 fi
 python3 benchmarks/lab_study.py start --study "$STUDY" --jobs "$JOBS" --one-at-a-time \
     ${MBS:+--micro-batch-size "$MBS"} --keys $PLAN_JOBS --data-dir "$S/lab_data" \
