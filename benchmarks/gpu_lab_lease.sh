@@ -82,6 +82,7 @@ recheck() {  # recheck NAME JOB [ARGS...]: lab_study.py recheck; exits unless it
         echo "[lease] recheck ($name): nothing recorded to rerun" | tee -a "$LOG"
         return
     fi
+    rm -rf "$S/recheck_$name"  # no earlier verdict is copied for this one
     python3 benchmarks/lab_study.py recheck --study "$STUDY" --job "$job" \
         --data-dir "$S/lab_data" --run-dir "$S/recheck" --results docs/lab_study/results.jsonl \
         --out "$S/recheck_$name" --commit "$COMMIT" "$@" > "$S/recheck_$name.txt" 2>&1

@@ -19,7 +19,7 @@ GPU = "NVIDIA H100 80GB HBM3"
 DEVICE_FILES = 8  # what the device returns of a call's OUT
 
 
-def _stand_ins(bin_dir, fail_recheck=False):
+def _stand_ins(bin_dir, fail_recheck=False, verdict=True):
     """python3: the real interpreter for plan, stand-ins that write what their program writes
     for what needs a GPU or the wheel; nvidia-smi: the stand-in GPU."""
     os.makedirs(bin_dir)
@@ -32,6 +32,7 @@ case "$all" in
   *"-m pip install"*) exit 0 ;;
   *"lab_study.py recheck"*)
     mkdir -p "$out"
+    {"" if verdict else "exit 2  # dies before its verdict"}
     echo '{{"identical": {"false" if fail_recheck else "true"}}}' > "$out/recheck.json"
     echo "recheck: stand-in"; exit {3 if fail_recheck else 0} ;;
   *"lab_study.py start"*) echo "queued (stand-in)"; exit 0 ;;
@@ -63,7 +64,7 @@ def _record(job, config):
             "final_val_loss": 4.75, "last_iteration": 20}
 
 
-def _lease(tmp_path, fail_recheck=False, preload=0, **env):
+def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, **env):
     """Run the script in a copy of the repo's layout whose results hold zero3 and all3 of seed
     1234 on the stand-in GPU (so both rechecks run), with ``preload`` files already in OUT (a
     call's own); returns (process, OUT)."""
@@ -81,7 +82,7 @@ def _lease(tmp_path, fail_recheck=False, preload=0, **env):
     corpus.write_text("text\n")
     with tarfile.open(work / "runs" / "lab_data.tar.xz", "w:xz") as t:
         t.add(corpus, arcname="corpus.txt")
-    _stand_ins(tmp_path / "bin", fail_recheck)
+    _stand_ins(tmp_path / "bin", fail_recheck, verdict)
     out = tmp_path / "out"
     out.mkdir()
     for k in range(preload):
@@ -130,6 +131,15 @@ def test_a_failing_recheck_queues_nothing_and_keeps_its_verdict(tmp_path):
     log = (out / "lease.txt").read_text()
     assert "the recheck (first) did not pass (exit code 3)" in log
     assert "queued (stand-in)" not in log
+
+
+def test_a_recheck_that_dies_leaves_no_verdict_not_an_earlier_one(tmp_path):
+    stale = tmp_path / "scratch" / "recheck_first"
+    stale.mkdir(parents=True)
+    (stale / "recheck.json").write_text('{"identical": true}')  # an earlier call's
+    proc, out = _lease(tmp_path, verdict=False)
+    assert proc.returncode == 2
+    assert _files(out) == ["lease.txt"]
 
 
 def test_the_warning_fires_when_out_holds_more_than_the_device_returns(tmp_path):
