@@ -523,8 +523,6 @@ def _dequantize_reduce_kernel(data_ptr, scale_ptr, out_data_ptr, out_scale_ptr, 
         a5 = a0
         a6 = a0
         a7 = a0
-        # Piece p's row is p * rows + row: the pointers of piece 0 are made once, and each
-        # further piece adds a (uniform) stride, instead of a 64-bit row address per piece.
         # Piece p's row is p * rows + row. Offsets are made once for piece 0 and advanced by a
         # uniform stride per piece, in int32 unless the input has 2**31 words or scales
         # (OFF64): no 64-bit row address per piece.
