@@ -13,6 +13,7 @@ import sys
 import tarfile
 
 import pytest
+from test_lab_study import _rec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = "NVIDIA H100 80GB HBM3"
@@ -56,14 +57,6 @@ esac
         os.chmod(path, 0o755)
 
 
-def _record(job, config):
-    return {"job": job, "study": "smoke", "config": config, "seed": 1234, "iters": 20,
-            "flags": [], "micro_batch_size": 2, "device": GPU, "commit": "abc",
-            "gpu_sharing": "mps", "corpus": {"train_sha256": "ff"},
-            "loss_every_10": [[10, 5.25], [20, 4.5]], "val_loss": [[10, 5.5], [20, 4.75]],
-            "final_val_loss": 4.75, "last_iteration": 20}
-
-
 def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, **env):
     """Run the script in a copy of the repo's layout whose results hold zero3 and all3 of seed
     1234 on the stand-in GPU (so both rechecks run), with ``preload`` files already in OUT (a
@@ -74,7 +67,8 @@ def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, **env):
         os.symlink(os.path.join(REPO, name), work / name)
     with open(work / "docs" / "lab_study" / "results.jsonl", "w") as f:
         for config in ("zero3", "all3"):
-            f.write(json.dumps(_record(f"smoke/{config}@seed1234", config)) + "\n")
+            f.write(json.dumps(_rec(job=f"smoke/{config}@seed1234", config=config,
+                                    device=GPU)) + "\n")
     (work / ".whl").mkdir()
     (work / ".whl" / "megatron_core-0-py3-none-any.whl").write_text("")
     (work / "runs").mkdir()
