@@ -48,8 +48,10 @@ export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1
   date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$LOG"
 mkdir -p "$S/lab_data" && tar xJf runs/lab_data.tar.xz -C "$S/lab_data" || exit 1
 python3 benchmarks/lab_study.py plan --study "$STUDY" --results docs/lab_study/results.jsonl \
-    ${SEEDS:+--seeds $SEEDS} --shell > "$S/plan.sh" 2> "$S/plan.txt" || { cat "$S/plan.txt"; exit 1; }
-tee -a "$LOG" < "$S/plan.txt"
+    ${SEEDS:+--seeds $SEEDS} --shell > "$S/plan.sh" 2> "$S/plan.txt"
+planned=$?
+tee -a "$LOG" < "$S/plan.txt"  # its reasons, or why it failed
+[ "$planned" = 0 ] || exit 1
 # shellcheck source=/dev/null
 . "$S/plan.sh"
 if [ -z "$PLAN_JOBS" ]; then

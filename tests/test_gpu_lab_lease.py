@@ -142,3 +142,10 @@ def test_the_warning_fires_when_out_holds_more_than_the_device_returns(tmp_path)
     assert proc.returncode == 0 and len(_files(out)) == DEVICE_FILES + 1
     assert "[lease] warning: OUT holds 9 files; the device returns 8 of them" in proc.stdout
     assert "warning: OUT holds 9 files" in (out / "lease.txt").read_text()
+
+
+def test_a_plan_that_fails_stops_the_lease_and_its_reason_is_in_the_log(tmp_path):
+    proc, out = _lease(tmp_path, SEEDS="7")  # not a seed of the smoke study
+    assert proc.returncode == 1
+    assert _files(out) == ["lease.txt"]
+    assert "seeds [7] are not study smoke's" in (out / "lease.txt").read_text()
