@@ -27,10 +27,11 @@ Every job evaluates twice, with the weights its forward gathers and with the exa
 (:func:`diagnostic_flags`); ``table`` adds the exact weights' gaps and the layers' errors.
 
 A lease runs what ``plan`` gives for its GPU model (a seed's jobs all on the model of its
-first job) and first reruns the first 100 iterations of a recorded job (``recheck``): its jobs
-pair with jobs of earlier leases, which ran at other commits, so it checks that this machine
-and commit log the same numbers; ``record --rechecks`` keeps the verdicts beside the results
-(``rechecks.jsonl``) and ``table`` prints them.
+first job; several studies one after the other) and first reruns the first 100 iterations of
+the first recorded job of each seed it queues (``recheck``): its jobs pair with jobs of earlier
+leases, which ran at other commits, so it checks that this machine and commit log the same
+numbers; ``record --rechecks`` keeps the verdicts beside the results (``rechecks.jsonl``) and
+``table`` prints them.
 
 ``table`` prints, per configuration, the final validation loss per seed and the paired gap to
 zero3 of the same seed (mean +- standard error over the seeds), beside the noise floor
@@ -219,36 +220,46 @@ def _queue_pid(run_dir: str) -> Optional[int]:
 
 
 def start(args) -> int:
-    study = study_named(args.study)
-    mbs = args.micro_batch_size or study.micro_batch_size
-    if mbs < 1 or study.global_batch_size % (mbs * NODES * RANKS_PER_NODE):
-        raise ValueError(f"--micro-batch-size {mbs}: the global batch "
-                         f"{study.global_batch_size} is not a multiple of it x "
-                         f"{NODES * RANKS_PER_NODE} ranks")
+    """Start (or with ``--one-at-a-time`` queue) the next unfinished jobs of ``--study``, of
+    several studies one after the other (a lease's plan: ``--keys``)."""
+    if len(args.study) > 1 and (args.only or args.seeds or args.micro_batch_size):
+        raise ValueError(f"--only, --seeds or --micro-batch-size with studies {args.study}: "
+                         "name one study")
+    studies = {name: study_named(name) for name in args.study}
+    for name, study in studies.items():
+        mbs = args.micro_batch_size or study.micro_batch_size
+        if mbs < 1 or study.global_batch_size % (mbs * NODES * RANKS_PER_NODE):
+            raise ValueError(f"--micro-batch-size {mbs}: study {name}'s global batch "
+                             f"{study.global_batch_size} is not a multiple of it x "
+                             f"{NODES * RANKS_PER_NODE} ranks")
     os.makedirs(args.run_dir, exist_ok=True)
     runner = _queue_pid(args.run_dir)
     if runner is not None:  # it owns the ledger until its queue is done
         raise ValueError(f"{args.run_dir} has a queue runner (pid {runner}) still running; "
                          "poll it, or use another --run-dir")
     ledger = _read_ledger(args.run_dir)
-    todo = pending(args.study, read_results(args.results), ledger, args.only, args.seeds)
-    if args.keys:  # exactly these, in the study's order (a lease's plan)
-        left = sorted(set(args.keys) - {job_key(args.study, c, s) for c, s in todo})
+    done = read_results(args.results)
+    todo = [(name, c, s) for name in studies
+            for c, s in pending(name, done, ledger, args.only, args.seeds)]
+    if args.keys:  # exactly these, in the studies' order (a lease's plan)
+        left = sorted(set(args.keys) - {job_key(*job) for job in todo})
         if left:
-            raise ValueError(f"--keys {left}: not pending in study {args.study}")
-        todo = [(c, s) for c, s in todo if job_key(args.study, c, s) in args.keys]
+            raise ValueError(f"--keys {left}: not pending in studies {args.study}")
+        todo = [job for job in todo if job_key(*job) in args.keys]
     chosen = []
-    for config, seed in todo[:args.jobs]:
-        key = job_key(args.study, config, seed)
+    for name, config, seed in todo[:args.jobs]:
+        study = studies[name]
+        mbs = args.micro_batch_size or study.micro_batch_size
+        key = job_key(name, config, seed)
         job_dir = os.path.join(args.run_dir, key.replace("/", "_"))
         os.makedirs(job_dir, exist_ok=True)
-        ledger[key] = {"study": args.study, "config": config, "seed": seed, "dir": job_dir,
+        ledger[key] = {"study": name, "config": config, "seed": seed, "dir": job_dir,
                        "pid": None, "micro_batch_size": job_micro_batch(mbs, config),
                        "flags": job_flags(study, config, seed, args.data_dir, job_dir, mbs),
                        "commit": args.commit, "started": None}
         chosen.append(key)
     if not todo:
-        print(f"nothing left to run in study {args.study}")
+        print(f"nothing left to run in studies {args.study}")
     if args.one_at_a_time and chosen:
         _write_ledger(args.run_dir, ledger)
         with open(os.path.join(args.run_dir, "queue.log"), "a") as log:
@@ -458,13 +469,12 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     """What a lease on GPU model ``device`` runs of ``study`` (of ``seeds`` if given) and
     what it reruns first. A job pairs with zero3 of its seed bit for bit only on the GPU
     model that ran that zero3 (the two models' kernels round differently), so a seed with a
-    record from another model is left out (``elsewhere``: seed -> its models). ``recheck``:
-    the first recorded job of the first job's seed (``None`` when that seed has none yet: its
-    jobs then pair among themselves); ``recheck_all3``: the study's first ``all3`` recorded
-    on this model (the quantized paths must compute as they did for the seeds before),
-    ``None`` if there is none. ``jobs`` stop before a second seed with a record (its jobs
-    need their own recheck: the next lease's first), which only a job that ended without a
-    record leaves behind: jobs run seed by seed."""
+    record from another model is left out (``elsewhere``: seed -> its models). ``rechecks``:
+    the first recorded job of each seed that ``jobs`` hold, in their order (a seed with no
+    record yet has nothing to rerun: its jobs pair among themselves), so that every job queued
+    pairs with a record this machine and commit reproduced; ``recheck_all3``: the study's
+    first ``all3`` recorded on this model (the quantized paths must compute as they did for
+    the seeds before), ``None`` if there is none or nothing is to run."""
     name = study_named(study)
     asked = list(seeds) or list(name.seeds)
     pending(study, {}, {}, seeds=asked)  # a seed the study does not run raises
@@ -475,36 +485,57 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     elsewhere = {s: sorted(models[s]) for s in asked if models.get(s, {device}) != {device}}
     here = [s for s in asked if s not in elsewhere]
     todo = pending(study, results, {}, seeds=here) if here else []
-    first = todo[0][1] if todo else None
-    recorded = {r["seed"] for r in mine.values()}
-    later = [i for i, (_, s) in enumerate(todo) if s != first and s in recorded]
-    todo = todo[:later[0]] if later else todo
+    queued_seeds = list(dict.fromkeys(s for _, s in todo))
+    rechecks = [recheck_key(results, study, seed=s) for s in queued_seeds]
     return {"study": study, "device": device, "seeds": here, "elsewhere": elsewhere,
             "jobs": [job_key(study, c, s) for c, s in todo],
-            "recheck": recheck_key(results, study, seed=first) if todo else None,
+            "rechecks": [k for k in rechecks if k is not None],
             "recheck_all3": (recheck_key(results, study, config="all3", device=device)
                              if todo else None)}
 
 
+def lease_plans(results: Dict[str, dict], studies: Sequence[str], device: str,
+                seeds: Sequence[int] = ()) -> dict:
+    """:func:`lease_plan` of each of ``studies``, in that order, as one queue: their
+    ``jobs`` and ``rechecks`` one after the other (a lease whose model has nothing left of
+    the first study, or less than a lease's worth, goes on with the next), ``studies`` those
+    with a job, and one ``all3`` recheck: the first of the studies with a job that has an
+    ``all3`` recorded on this model (the quantized kernels are the same code at every size).
+    ``seeds`` only with one study (each study has its own)."""
+    if not studies:
+        raise ValueError("no study to plan")
+    if seeds and len(studies) > 1:
+        raise ValueError(f"--seeds {list(seeds)} with studies {list(studies)}: name one study")
+    plans = [lease_plan(results, s, device, seeds) for s in studies]
+    return {"device": device, "plans": plans,
+            "studies": [p["study"] for p in plans if p["jobs"]],
+            "jobs": [k for p in plans for k in p["jobs"]],
+            "rechecks": [k for p in plans for k in p["rechecks"]],
+            "recheck_all3": next((p["recheck_all3"] for p in plans if p["recheck_all3"]), None)}
+
+
 def plan(args) -> int:
-    """Print :func:`lease_plan` for this machine: JSON, or with ``--shell`` the assignments
-    ``PLAN_SEEDS``, ``PLAN_JOBS``, ``PLAN_RECHECK`` and ``PLAN_RECHECK_ALL3`` for a lease
+    """Print :func:`lease_plans` for this machine: JSON, or with ``--shell`` the assignments
+    ``PLAN_STUDIES``, ``PLAN_JOBS``, ``PLAN_RECHECKS`` and ``PLAN_RECHECK_ALL3`` for a lease
     script to source (the reasons on stderr)."""
-    p = lease_plan(read_results(args.results), args.study, args.device or _device(),
-                   args.seeds)
-    why = [f"[plan] {p['study']} on {p['device']}: {len(p['jobs'])} job(s) to run, seeds "
-           f"{p['seeds']}"]
-    why += [f"[plan] seed {s} left out: its jobs ran on {', '.join(m)}"
-            for s, m in p["elsewhere"].items()]
-    why += [f"[plan] recheck first: {p['recheck'] or 'nothing (no record of that seed)'}; "
+    p = lease_plans(read_results(args.results), args.study, args.device or _device(),
+                    args.seeds)
+    why = []
+    for one in p["plans"]:
+        why += [f"[plan] {one['study']} on {p['device']}: {len(one['jobs'])} job(s) to run, "
+                f"seeds {one['seeds']}"]
+        why += [f"[plan] {one['study']}: seed {s} left out: its jobs ran on {', '.join(m)}"
+                for s, m in one["elsewhere"].items()]
+    first = " ".join(p["rechecks"]) or "nothing (no record of the seeds queued)"
+    why += [f"[plan] recheck first: {first}; "
             f"all3: {p['recheck_all3'] or 'nothing (no all3 recorded on this model)'}"]
     if not args.shell:
         print("\n".join(why) + "\n" + json.dumps(p, indent=1))
         return 0
     print("\n".join(why), file=sys.stderr)
-    for var, value in (("PLAN_SEEDS", " ".join(map(str, p["seeds"]))),
+    for var, value in (("PLAN_STUDIES", " ".join(p["studies"])),
                        ("PLAN_JOBS", " ".join(p["jobs"])),
-                       ("PLAN_RECHECK", p["recheck"] or ""),
+                       ("PLAN_RECHECKS", " ".join(p["rechecks"])),
                        ("PLAN_RECHECK_ALL3", p["recheck_all3"] or "")):
         print(f"{var}={shlex.quote(value)}")
     return 0
@@ -570,6 +601,17 @@ def _device() -> str:
         return "cpu"
 
 
+def read_verdicts(path: str) -> List[dict]:
+    """The recheck verdicts of a file: one (``recheck``'s ``recheck.json``) or one per line
+    (a lease's ``rechecks.jsonl``)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def record(args) -> int:
     done = read_results(args.results)
     added = 0
@@ -590,11 +632,10 @@ def record(args) -> int:
                     added += 1
     print(f"{added} new job(s) recorded in {args.results}; {len(done)} in all")
     for path in args.rechecks:
-        with open(path) as f:
-            r = json.load(f)
-        with open(rechecks_path(args.results), "a") as out:
-            out.write(json.dumps(r) + "\n")
-        print(f"added to {rechecks_path(args.results)}: {recheck_line(r)}")
+        for r in read_verdicts(path):
+            with open(rechecks_path(args.results), "a") as out:
+                out.write(json.dumps(r) + "\n")
+            print(f"added to {rechecks_path(args.results)}: {recheck_line(r)}")
     return 0
 
 
@@ -652,7 +693,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start the next unfinished jobs, detached")
-    s.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
+    s.add_argument("--study", required=True, nargs="+", choices=sorted(STUDIES) + ["smoke"],
+                   help="one study, or several whose jobs queue one study after the other")
     s.add_argument("--jobs", type=int, default=1, help="how many to start (at once they share "
                    "the GPU; see --one-at-a-time)")
     s.add_argument("--only", nargs="*", default=[], choices=list(CONFIGS))
@@ -682,7 +724,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--records", nargs="+", required=True)
     r.add_argument("--results", required=True)
     r.add_argument("--rechecks", nargs="*", default=[],
-                   help="recheck.json files to keep beside the results (rechecks.jsonl)")
+                   help="recheck verdicts to keep beside the results (rechecks.jsonl): "
+                        "recheck.json files or a lease's rechecks.jsonl")
     c = sub.add_parser("recheck", help="rerun a recorded job's first iterations here and "
                        "compare them with its record")
     c.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
@@ -699,7 +742,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--out", required=True)
     c.add_argument("--commit", required=True, help="the commit the rerun runs")
     n = sub.add_parser("plan", help="what a lease on this GPU model runs and rechecks")
-    n.add_argument("--study", required=True, choices=sorted(STUDIES) + ["smoke"])
+    n.add_argument("--study", required=True, nargs="+", choices=sorted(STUDIES) + ["smoke"],
+                   help="one study, or several: the lease runs them one after the other")
     n.add_argument("--results", required=True)
     n.add_argument("--seeds", nargs="*", type=int, default=[])
     n.add_argument("--device", default=None, help="the GPU model (default: nvidia-smi's)")

@@ -28,15 +28,17 @@ def _stand_ins(bin_dir, fail_recheck=False, verdict=True):
 all="$*"
 out=""
 prev=""
-for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+job=""
+for a in "$@"; do [ "$prev" = --out ] && out=$a; [ "$prev" = --job ] && job=$a; prev=$a; done
 case "$all" in
   *"-m pip install"*) exit 0 ;;
   *"lab_study.py recheck"*)
     mkdir -p "$out"
     {"" if verdict else "exit 2  # dies before its verdict"}
-    echo '{{"identical": {"false" if fail_recheck else "true"}}}' > "$out/recheck.json"
+    printf '{{\n "job": "%s",\n "identical": {"false" if fail_recheck else "true"}\n}}\n' "$job" \
+        > "$out/recheck.json"
     echo "recheck: stand-in"; exit {3 if fail_recheck else 0} ;;
-  *"lab_study.py start"*) echo "queued (stand-in)"; exit 0 ;;
+  *"lab_study.py start"*) echo "queued (stand-in): $all"; exit 0 ;;
   *"lab_study.py poll"*)
     for f in records.jsonl status.json partial.jsonl; do echo '{{}}' > "$out/$f"; done; exit 0 ;;
   *lab_profile.py*) mkdir -p "$(dirname "$out")"; echo '{{}}' > "$out"; exit 0 ;;
@@ -57,18 +59,23 @@ esac
         os.chmod(path, 0o755)
 
 
-def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, **env):
-    """Run the script in a copy of the repo's layout whose results hold zero3 and all3 of seed
-    1234 on the stand-in GPU (so both rechecks run), with ``preload`` files already in OUT (a
-    call's own); returns (process, OUT)."""
+SEED_1234 = [("zero3", 1234, GPU), ("all3", 1234, GPU)]
+
+
+def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, recorded=SEED_1234,
+           studies="smoke", **env):
+    """Run the script in a copy of the repo's layout whose results hold the smoke study's
+    ``recorded`` jobs (configuration, seed, GPU model; by default zero3 and all3 of seed 1234 on
+    the stand-in GPU, so a seed's and the all3 recheck run), with ``preload`` files already in
+    OUT (a call's own); returns (process, OUT)."""
     work = tmp_path / "repo"
     (work / "docs" / "lab_study").mkdir(parents=True)
     for name in ("benchmarks", "megatron_zeropp", "tools"):
         os.symlink(os.path.join(REPO, name), work / name)
     with open(work / "docs" / "lab_study" / "results.jsonl", "w") as f:
-        for config in ("zero3", "all3"):
-            f.write(json.dumps(_rec(job=f"smoke/{config}@seed1234", config=config,
-                                    device=GPU)) + "\n")
+        for config, seed, gpu in recorded:
+            f.write(json.dumps(_rec(job=f"smoke/{config}@seed{seed}", config=config, seed=seed,
+                                    device=gpu)) + "\n")
     (work / ".whl").mkdir()
     (work / ".whl" / "megatron_core-0-py3-none-any.whl").write_text("")
     (work / "runs").mkdir()
@@ -84,7 +91,7 @@ def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, **env):
     environ = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", MPS="0",
                    SCRATCH=str(tmp_path / "scratch"), **env)
     proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_lab_lease.sh"),
-                           str(out), "abc", "smoke", "2", "0"], cwd=work, env=environ,
+                           str(out), "abc", studies, "2", "0"], cwd=work, env=environ,
                           capture_output=True, text=True, timeout=300)
     return proc, out
 
@@ -99,18 +106,21 @@ def test_a_lease_leaves_room_in_out_for_the_calls_own_file(tmp_path, checks):
     proc, out = _lease(tmp_path, CHECKS=checks)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = _files(out)
-    expected = ["lease.txt", "partial.jsonl", "recheck_all3.json", "recheck_first.json",
-                "records.jsonl", "status.json"]
+    expected = ["lease.txt", "partial.jsonl", "rechecks.jsonl", "records.jsonl", "status.json"]
     if checks == "1":
         expected = sorted(expected + ["lab_speed_mbs8.json"])
     assert files == expected
-    assert len(files) <= DEVICE_FILES - 1
+    assert len(files) <= DEVICE_FILES - 2
     # names the device returns: letters, digits, '.', '_' and '-', at most 2 folders down
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+){0,2}", f) for f in files)
     log = (out / "lease.txt").read_text()
     assert log.startswith(f"{GPU}, 81559 MiB")
     assert "[plan] smoke on NVIDIA H100 80GB HBM3" in log  # the real plan's lines
     assert log.count("recheck: stand-in") == 2 and "queued (stand-in)" in log
+    # both verdicts, one line each, as record --rechecks reads them
+    assert [json.loads(x) for x in (out / "rechecks.jsonl").read_text().splitlines()] == [
+        {"job": "smoke/zero3@seed1234", "identical": True},
+        {"job": "smoke/all3@seed1234", "identical": True}]
     assert "warning" not in log
     # the scratch files went to SCRATCH, not OUT
     assert (tmp_path / "scratch" / "plan.sh").exists()
@@ -120,15 +130,16 @@ def test_a_lease_leaves_room_in_out_for_the_calls_own_file(tmp_path, checks):
 def test_a_failing_recheck_queues_nothing_and_keeps_its_verdict(tmp_path):
     proc, out = _lease(tmp_path, fail_recheck=True)
     assert proc.returncode == 3
-    assert _files(out) == ["lease.txt", "recheck_first.json"]
-    assert json.loads((out / "recheck_first.json").read_text()) == {"identical": False}
+    assert _files(out) == ["lease.txt", "rechecks.jsonl"]
+    assert json.loads((out / "rechecks.jsonl").read_text()) == {
+        "job": "smoke/zero3@seed1234", "identical": False}
     log = (out / "lease.txt").read_text()
-    assert "the recheck (first) did not pass (exit code 3)" in log
+    assert "the recheck (seed1: smoke/zero3@seed1234) did not pass (exit code 3)" in log
     assert "queued (stand-in)" not in log
 
 
 def test_a_recheck_that_dies_leaves_no_verdict_not_an_earlier_one(tmp_path):
-    stale = tmp_path / "scratch" / "recheck_first"
+    stale = tmp_path / "scratch" / "recheck_seed1"
     stale.mkdir(parents=True)
     (stale / "recheck.json").write_text('{"identical": true}')  # an earlier call's
     proc, out = _lease(tmp_path, verdict=False)
@@ -137,8 +148,8 @@ def test_a_recheck_that_dies_leaves_no_verdict_not_an_earlier_one(tmp_path):
 
 
 def test_the_warning_fires_when_out_holds_more_than_the_device_returns(tmp_path):
-    # negative control of the count: two files of the call's own beside the script's seven
-    proc, out = _lease(tmp_path, preload=2, CHECKS="1")
+    # negative control of the count: three files of the call's own beside the script's six
+    proc, out = _lease(tmp_path, preload=3, CHECKS="1")
     assert proc.returncode == 0 and len(_files(out)) == DEVICE_FILES + 1
     assert "[lease] warning: OUT holds 9 files; the device returns 8 of them" in proc.stdout
     assert "warning: OUT holds 9 files" in (out / "lease.txt").read_text()
@@ -149,3 +160,35 @@ def test_a_plan_that_fails_stops_the_lease_and_its_reason_is_in_the_log(tmp_path
     assert proc.returncode == 1
     assert _files(out) == ["lease.txt"]
     assert "seeds [7] are not study smoke's" in (out / "lease.txt").read_text()
+
+
+def test_each_seed_queued_with_a_record_is_rechecked_first(tmp_path):
+    # seeds 1234 and 1235 both have records (a job added after both ran): one lease runs both
+    # seeds' jobs, each seed's first record rerun before anything queues
+    proc, out = _lease(tmp_path, recorded=[("zero3", 1234, GPU), ("zero3", 1235, GPU),
+                                           ("all3", 1235, GPU)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [json.loads(x)["job"] for x in (out / "rechecks.jsonl").read_text().splitlines()] == [
+        "smoke/zero3@seed1234", "smoke/zero3@seed1235", "smoke/all3@seed1235"]
+    log = (out / "lease.txt").read_text()
+    assert re.search(r"queued \(stand-in\): .*--keys smoke/all3@seed1234 "
+                     r"smoke/zero3\+2mb@seed1234 smoke/zero3\+2mb@seed1235 ", log)
+
+
+def test_a_model_with_nothing_of_the_first_study_runs_the_next(tmp_path):
+    # smoke's two seeds ran on another GPU model: this one runs the next study's jobs
+    other = "NVIDIA H200"
+    proc, out = _lease(tmp_path, recorded=[("zero3", 1234, other), ("zero3", 1235, other)],
+                       studies="smoke 125m-lr3e-4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = (out / "lease.txt").read_text()
+    assert "[plan] smoke on NVIDIA H100 80GB HBM3: 0 job(s) to run" in log
+    assert "[plan] 125m-lr3e-4 on NVIDIA H100 80GB HBM3: 15 job(s) to run" in log
+    assert re.search(r"queued \(stand-in\): .*start --study 125m-lr3e-4 --jobs 2 .*--keys "
+                     r"125m-lr3e-4/zero3@seed1234 ", log)
+    assert "recheck: stand-in" not in log  # nothing of 125m-lr3e-4 recorded: nothing to rerun
+    # control: with the first study alone nothing runs (exit code 4)
+    proc, out = _lease(tmp_path / "alone", recorded=[("zero3", 1234, other),
+                                                     ("zero3", 1235, other)])
+    assert proc.returncode == 4
+    assert "nothing of smoke to run on this GPU model" in (out / "lease.txt").read_text()

@@ -3,6 +3,7 @@ which jobs run next, a job's record read from its log, the results file skipping
 the study's table of paired gaps and noise floor, a rerun compared with its record; and (slow)
 the smoke study's jobs trained on CPU, recorded and rechecked."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -401,6 +402,13 @@ def test_record_keeps_rechecks_and_table_prints_them(tmp_path, capsys):
         "kind": "loss", "iteration": 10, "recorded": 5.25, "rerun": 5.26})
     assert R.recheck_line(differs).endswith("DIFFERENT: loss at iteration 10 5.26 (recorded "
                                             "5.25)")
+    # a lease's verdicts, one per line in one file (pretty-printed ones are one JSON each)
+    (tmp_path / "lease.jsonl").write_text(json.dumps(differs) + "\n" + json.dumps(check) + "\n")
+    (tmp_path / "pretty.json").write_text(json.dumps(check, indent=1))
+    assert S.main(["record", "--records", str(records), "--results", str(results),
+                   "--rechecks", str(tmp_path / "lease.jsonl"), str(tmp_path / "pretty.json")]) == 0
+    kept = [json.loads(x) for x in (tmp_path / "rechecks.jsonl").read_text().splitlines()]
+    assert kept == [check, differs, check, check]
 
 
 class _Clock:
@@ -639,26 +647,27 @@ def test_lease_plan_keeps_each_seed_on_the_gpu_model_of_its_records():
     assert p["seeds"] == [1234, 1235] and p["elsewhere"] == {}
     assert p["jobs"] == [f"smoke/{z}@seed1234", "smoke/zero3@seed1235", "smoke/all3@seed1235",
                          f"smoke/{z}@seed1235"]
-    assert (p["recheck"], p["recheck_all3"]) == ("smoke/zero3@seed1234", "smoke/all3@seed1234")
+    # seed 1235 has no record: nothing of it to rerun
+    assert (p["rechecks"], p["recheck_all3"]) == (["smoke/zero3@seed1234"], "smoke/all3@seed1234")
     # another model: seed 1234's pairs stay on the H100; 1235 starts afresh, nothing to rerun
     p = S.lease_plan(results, "smoke", h200)
     assert p["seeds"] == [1235] and p["elsewhere"] == {1234: [h100]}
     assert p["jobs"][0] == "smoke/zero3@seed1235"
-    assert (p["recheck"], p["recheck_all3"]) == (None, None)
+    assert (p["rechecks"], p["recheck_all3"]) == ([], None)
     # seed 1235's zero3 ran on the H200: the next H200 lease reruns it; an H100 lease leaves
     # 1235 out and reruns 1234's
     results["smoke/zero3@seed1235"] = _rec(job="smoke/zero3@seed1235", seed=1235, device=h200)
     p = S.lease_plan(results, "smoke", h200)
     assert p["jobs"] == ["smoke/all3@seed1235", f"smoke/{z}@seed1235"]
-    assert (p["recheck"], p["recheck_all3"]) == ("smoke/zero3@seed1235", None)
+    assert (p["rechecks"], p["recheck_all3"]) == (["smoke/zero3@seed1235"], None)
     p = S.lease_plan(results, "smoke", h100)
     assert p["seeds"] == [1234] and p["elsewhere"] == {1235: [h200]}
-    assert p["jobs"] == [f"smoke/{z}@seed1234"] and p["recheck"] == "smoke/zero3@seed1234"
+    assert p["jobs"] == [f"smoke/{z}@seed1234"] and p["rechecks"] == ["smoke/zero3@seed1234"]
     # a finished seed: nothing to run, nothing to rerun
     results[f"smoke/{z}@seed1234"] = _rec(job=f"smoke/{z}@seed1234", config=z, device=h100)
     assert S.lease_plan(results, "smoke", h100, seeds=[1234]) == {
         "study": "smoke", "device": h100, "seeds": [1234], "elsewhere": {},
-        "jobs": [], "recheck": None, "recheck_all3": None}
+        "jobs": [], "rechecks": [], "recheck_all3": None}
     # a seed whose jobs already ran on both models pairs on neither
     results["smoke/all3@seed1235"] = _rec(job="smoke/all3@seed1235", config="all3", seed=1235,
                                          device=h100)
@@ -666,31 +675,84 @@ def test_lease_plan_keeps_each_seed_on_the_gpu_model_of_its_records():
                                                                  1235: [h100, h200]}
     with pytest.raises(ValueError, match=r"seeds \[7\] are not study smoke's"):
         S.lease_plan(results, "smoke", h100, seeds=[7])
-    # a job of seed 1234 ended without a record while 1235's ran: the lease stops before
-    # 1235, whose jobs need their own recheck
+    # jobs of two seeds with records (a job of 1234 ended without one while 1235's ran, or a
+    # configuration added after both): both seeds' jobs queue, each seed's record rerun first
     results = {r["job"]: r for r in (
         _rec(job="smoke/zero3@seed1234", device=h100),
+        _rec(job="smoke/all3@seed1235", config="all3", seed=1235, device=h100),
         _rec(job="smoke/zero3@seed1235", seed=1235, device=h100))}
     p = S.lease_plan(results, "smoke", h100)
-    assert p["jobs"] == ["smoke/all3@seed1234", f"smoke/{z}@seed1234"]
-    assert p["recheck"] == "smoke/zero3@seed1234"
+    assert p["jobs"] == ["smoke/all3@seed1234", f"smoke/{z}@seed1234", f"smoke/{z}@seed1235"]
+    # each seed's first recorded job (1235's all3 was recorded before its zero3)
+    assert p["rechecks"] == ["smoke/zero3@seed1234", "smoke/all3@seed1235"]
+    assert p["recheck_all3"] == "smoke/all3@seed1235"
 
 
-def test_plan_prints_assignments_a_lease_script_sources(tmp_path, capsys):
+def _second_study(monkeypatch):
+    """A second CPU-sized study beside smoke (its own seeds), as a lease's next study."""
+    monkeypatch.setitem(D.STUDIES, "smoke-b", dataclasses.replace(D.SMOKE, seeds=(7,)))
+    return "smoke-b"
+
+
+def test_lease_plans_queue_the_studies_one_after_the_other(monkeypatch):
+    other = _second_study(monkeypatch)
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    results = {r["job"]: r for r in (
+        _rec(job="smoke/zero3@seed1234", device=h100),
+        _rec(job="smoke/all3@seed1234", config="all3", device=h100),
+        _rec(job=f"{other}/zero3@seed7", study=other, seed=7, device=h200))}
+    p = S.lease_plans(results, ["smoke", other], h100)
+    smoke = S.lease_plan(results, "smoke", h100)["jobs"]
+    assert p["studies"] == ["smoke"]  # seed 7 of the other ran on the H200: nothing here
+    assert p["jobs"] == smoke and p["rechecks"] == ["smoke/zero3@seed1234"]
+    assert p["recheck_all3"] == "smoke/all3@seed1234"
+    # on the H200: smoke's seed 1234 ran on the H100 and 1235 has no record, so 1235's jobs
+    # queue, then the other study's seed 7
+    p = S.lease_plans(results, ["smoke", other], h200)
+    assert p["studies"] == ["smoke", other]
+    assert p["jobs"] == (S.lease_plan(results, "smoke", h200)["jobs"]
+                         + [f"{other}/all3@seed7", f"{other}/{D.FLOOR}@seed7"])
+    assert p["jobs"][0] == "smoke/zero3@seed1235"
+    assert p["rechecks"] == [f"{other}/zero3@seed7"]  # smoke's 1235 has no record yet
+    assert p["recheck_all3"] is None  # no all3 recorded on the H200
+    # the first study finished on its model: the lease runs the next
+    results["smoke/zero3@seed1235"] = _rec(job="smoke/zero3@seed1235", seed=1235, device=h100)
+    for c in ("all3", D.FLOOR):
+        for seed in (1234, 1235):
+            key = f"smoke/{c}@seed{seed}"
+            results.setdefault(key, _rec(job=key, config=c, seed=seed, device=h100))
+    assert S.lease_plans(results, ["smoke", other], h100)["jobs"] == []
+    p = S.lease_plans(results, [other, "smoke"], h200)
+    assert p["studies"] == [other] and p["jobs"] == [f"{other}/all3@seed7",
+                                                     f"{other}/{D.FLOOR}@seed7"]
+    with pytest.raises(ValueError, match="name one study"):
+        S.lease_plans(results, ["smoke", other], h100, seeds=[1234])
+
+
+def test_plan_prints_assignments_a_lease_script_sources(tmp_path, capsys, monkeypatch):
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(_rec(device="NVIDIA H200")) + "\n")
     base = ["plan", "--study", "smoke", "--results", str(results), "--shell"]
+    show = 'printf "%s|" "$PLAN_STUDIES" "$PLAN_JOBS" "$PLAN_RECHECKS" "$PLAN_RECHECK_ALL3"'
     assert S.main(base + ["--device", "NVIDIA H200"]) == 0
     out, err = capsys.readouterr()
-    env = subprocess.run(["bash", "-c", out + 'printf "%s|" "$PLAN_SEEDS" "$PLAN_JOBS" '
-                          '"$PLAN_RECHECK" "$PLAN_RECHECK_ALL3"'], capture_output=True,
-                         text=True, check=True).stdout
-    assert env == ("1234 1235|smoke/all3@seed1234 smoke/zero3+2mb@seed1234 smoke/zero3@seed1235 "
+    env = subprocess.run(["bash", "-c", out + show], capture_output=True, text=True,
+                         check=True).stdout
+    assert env == ("smoke|smoke/all3@seed1234 smoke/zero3+2mb@seed1234 smoke/zero3@seed1235 "
                    "smoke/all3@seed1235 smoke/zero3+2mb@seed1235|smoke/zero3@seed1234||")
     assert "recheck first: smoke/zero3@seed1234" in err
     assert S.main(base + ["--device", "NVIDIA H100 80GB HBM3", "--seeds", "1234"]) == 0
     out, err = capsys.readouterr()
     assert "PLAN_JOBS=''" in out and "seed 1234 left out: its jobs ran on NVIDIA H200" in err
+    # two studies: the second's jobs after the first's
+    other = _second_study(monkeypatch)
+    assert S.main(base[:3] + [other] + base[3:] + ["--device", "NVIDIA H200"]) == 0
+    out, err = capsys.readouterr()
+    env = subprocess.run(["bash", "-c", out + show], capture_output=True, text=True,
+                         check=True).stdout
+    assert env.startswith(f"smoke {other}|smoke/all3@seed1234 ")
+    assert f"smoke/{D.FLOOR}@seed1235 {other}/zero3@seed7 {other}/all3@seed7 " in env
+    assert f"[plan] {other} on NVIDIA H200: 3 job(s) to run, seeds [7]" in err
 
 
 def test_start_keys_queues_exactly_the_plans_jobs(tmp_path, monkeypatch, sample_dir):
@@ -709,6 +771,18 @@ def test_start_keys_queues_exactly_the_plans_jobs(tmp_path, monkeypatch, sample_
     # control: without --keys, every pending job of the study
     assert S.main(base + ["--run-dir", str(tmp_path / "c")]) == 0
     assert len(S._read_ledger(str(tmp_path / "c"))) == 5
+    # two studies: keys of both, each job with its own study's recipe, in the studies' order
+    other = _second_study(monkeypatch)
+    two = base[:2] + ["smoke", other] + base[3:] + ["--run-dir", str(tmp_path / "d")]
+    keys = [f"{other}/zero3@seed7", "smoke/all3@seed1234"]
+    assert S.main(two + ["--keys", *keys]) == 0
+    ledger = S._read_ledger(str(tmp_path / "d"))
+    assert list(ledger) == [keys[1], keys[0]]
+    assert [(e["study"], e["seed"]) for e in ledger.values()] == [("smoke", 1234), (other, 7)]
+    for bad in (["--seeds", "7"], ["--micro-batch-size", "2"]):  # one study's, not two
+        with pytest.raises(SystemExit):
+            S.main(two[:-1] + [str(tmp_path / "e"), "--keys", *keys] + bad)
+        assert not (tmp_path / "e" / "jobs.json").exists()
 
 
 def test_switch_lines_pair_configurations_that_differ_in_one_switch():
