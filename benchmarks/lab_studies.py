@@ -29,6 +29,10 @@ CONFIGS: Dict[str, Tuple[str, ...]] = {
     "qwz+hpz": ("--zeropp-qwz", "--zeropp-hpz"),
     "all3": _ALL3,  # the defaults (qgZ stochastic rounding, INT8/INT4, small params exact)
     "all3+diff4": _ALL3 + ("--zeropp-qwz-diff-bits", "4"),
+    # qgZ's cross-node hop at INT8 (16x finer steps than the default INT4, twice its
+    # cross-node bytes): the configuration a study runs if all3 misses its target
+    # (Study.if_missed), to tell whether the INT4 hop is what costs the loss.
+    "all3+qgz8": _ALL3 + ("--zeropp-qgz-inter-bits", "8"),
 }
 
 
@@ -55,6 +59,10 @@ class Study:
     lr: float = 6e-4
     min_lr: float = 6e-5
     """Peak and final learning rate (cosine decay)."""
+    if_missed: Tuple[str, ...] = ()
+    """Configurations that run on every seed, after the study's own, once the all3 target's
+    verdict over all seeds is MISSED (a rule set before the data decides what follows a
+    miss; ``lab_study.pending`` applies it)."""
 
     def jobs(self) -> List[Tuple[str, int]]:
         return [(c, s) for s in self.seeds for c in self.configs]
@@ -84,7 +92,9 @@ STUDIES = {
     # run this far at 125M, and the study goes on with whichever recipe's floor is narrower.
     # Its floor (2026-12-06, seed 1234): +0.053 % at 1,500 (over the 0.05 % bar by 0.003),
     # training gaps within 0.04 %; the narrower floor, so this is the study either way.
-    "125m-lr3e-4": replace(_W150, lr=3e-4, min_lr=3e-5),
+    # Set before seed 1236's data (2026-12-06): if all3 misses +0.25 % over the three seeds,
+    # all three with the INT8 cross-node hop runs on all three before any default changes.
+    "125m-lr3e-4": replace(_W150, lr=3e-4, min_lr=3e-5, if_missed=("all3+qgz8",)),
     # GPT-3 medium (its learning rate, 3e-4): >= 1,000 iterations, 2 seeds; warmup 10 % as
     # 125m-w150's. That study's floor moved its final loss as far as the target, so this one
     # measures its own floor too, right after zero3 of each seed: with two seeds, a gap means

@@ -74,6 +74,7 @@ from lab_studies import (  # noqa: E402
     study_named,
 )
 from lab_study_report import (  # noqa: E402
+    all3_verdict,
     as_results,
     device_notes,
     exact_weights,
@@ -83,6 +84,7 @@ from lab_study_report import (  # noqa: E402
     recheck_line,
     rechecks_path,
     same_as_zero3,
+    study_summary,
     switch_lines,
     targets,
     training_gaps,
@@ -154,19 +156,35 @@ def read_results(path: str) -> Dict[str, dict]:
     return out
 
 
+def study_configs(name: str, done: Dict[str, dict]) -> Tuple[str, ...]:
+    """The configurations study ``name`` runs given the records ``done``: its own, then its
+    ``if_missed`` ones once ``done`` holds all3's verdict over every seed and it is MISSED."""
+    study = study_named(name)
+    if not study.if_missed:
+        return study.configs
+    mine = [r for r in done.values() if r["study"] == name]
+    missed = all3_verdict(study_summary(mine), study) == "MISSED"
+    return study.configs + (study.if_missed if missed else ())
+
+
 def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
             only: Sequence[str] = (), seeds: Sequence[int] = ()) -> List[Tuple[str, int]]:
     """The jobs of study ``name`` neither recorded in ``done`` nor already ``started``, in run
-    order (limited to the configurations ``only`` and the seeds ``seeds`` if given)."""
+    order, seed by seed (limited to the configurations ``only`` and the seeds ``seeds`` if
+    given); its ``if_missed`` configurations join once ``done`` says all3 missed
+    (:func:`study_configs`), after the seeds' own jobs."""
     study = study_named(name)
     # a seed or configuration the study does not run would queue nothing, silently
     for what, given, known in (("seeds", seeds, study.seeds),
-                               ("configurations", only, study.configs)):
+                               ("configurations", only, study.configs + study.if_missed)):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"{what} {unknown} are not study {name}'s (its {what}: "
                              f"{list(known)})")
-    return [(c, s) for c, s in study.jobs()
+    configs = study_configs(name, done)
+    jobs = ([(c, s) for s in study.seeds for c in study.configs]
+            + [(c, s) for c in configs[len(study.configs):] for s in study.seeds])
+    return [(c, s) for c, s in jobs
             if job_key(name, c, s) not in done and job_key(name, c, s) not in started
             and (not only or c in only) and (not seeds or s in seeds)]
 
@@ -469,7 +487,8 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     """What a lease on GPU model ``device`` runs of ``study`` (of ``seeds`` if given) and
     what it reruns first. A job pairs with zero3 of its seed bit for bit only on the GPU
     model that ran that zero3 (the two models' kernels round differently), so a seed with a
-    record from another model is left out (``elsewhere``: seed -> its models). ``rechecks``:
+    record from another model is left out (``elsewhere``: seed -> its models);
+    ``all3_verdict``: :func:`all3_verdict` over the study's records. ``rechecks``:
     the first recorded job of each seed that ``jobs`` hold, in their order (a seed with no
     record yet has nothing to rerun: its jobs pair among themselves), so that every job queued
     pairs with a record this machine and commit reproduced; ``recheck_all3``: the study's
@@ -488,6 +507,7 @@ def lease_plan(results: Dict[str, dict], study: str, device: str,
     queued_seeds = list(dict.fromkeys(s for _, s in todo))
     rechecks = [recheck_key(results, study, seed=s) for s in queued_seeds]
     return {"study": study, "device": device, "seeds": here, "elsewhere": elsewhere,
+            "all3_verdict": all3_verdict(study_summary(list(mine.values())), name),
             "jobs": [job_key(study, c, s) for c, s in todo],
             "rechecks": [k for k in rechecks if k is not None],
             "recheck_all3": (recheck_key(results, study, config="all3", device=device)
@@ -526,6 +546,12 @@ def plan(args) -> int:
                 f"seeds {one['seeds']}"]
         why += [f"[plan] {one['study']}: seed {s} left out: its jobs ran on {', '.join(m)}"
                 for s, m in one["elsewhere"].items()]
+        follow = study_named(one["study"]).if_missed
+        if follow:
+            verdict = one["all3_verdict"] or "open"
+            why += [f"[plan] {one['study']}: all3's verdict {verdict}; "
+                    f"{', '.join(follow)} " + ("queued on every seed" if verdict == "MISSED"
+                                               else "runs only if it is MISSED")]
     first = " ".join(p["rechecks"]) or "nothing (no record of the seeds queued)"
     why += [f"[plan] recheck first: {first}; "
             f"all3: {p['recheck_all3'] or 'nothing (no all3 recorded on this model)'}"]

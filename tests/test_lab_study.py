@@ -57,6 +57,9 @@ def test_studies_are_the_issues_matrix():
     assert (low.model, low.iters, low.seeds, low.configs) == (
         warm.model, warm.iters, warm.seeds, warm.configs)
     assert (low.warmup, low.lr, low.min_lr) == (150, 3e-4, 3e-5)
+    # the rule set before seed 1236's data: a miss runs all three with the INT8 cross-node hop
+    assert low.if_missed == ("all3+qgz8",) and (small.if_missed, medium.if_missed) == ((), ())
+    assert D.CONFIGS["all3+qgz8"] == D.CONFIGS["all3"] + ("--zeropp-qgz-inter-bits", "8")
 
 
 def _flag(flags, name):
@@ -331,6 +334,54 @@ def _rec(**kw):
 def _history(loss, val):
     return {"iterations": [1] + sorted(loss), "loss": [9.0] + [loss[i] for i in sorted(loss)],
             "val_loss": sorted(val.items())}
+
+
+def _gap_records(gap_pct, seeds=(1234, 1235), study="smoke-m", device="NVIDIA H100"):
+    """zero3 and all3 of ``seeds`` with all3's final validation loss ``gap_pct`` % above."""
+    out = {}
+    for seed in seeds:
+        for config, final in (("zero3", 4.0), ("all3", 4.0 * (1 + gap_pct / 100))):
+            key = f"{study}/{config}@seed{seed}"
+            out[key] = _rec(job=key, study=study, config=config, seed=seed, device=device,
+                            val_loss=[[10, 5.5], [20, final]], final_val_loss=final)
+    return out
+
+
+def test_a_missed_target_queues_the_studys_follow_up_on_every_seed(monkeypatch, tmp_path,
+                                                                    capsys):
+    study = dataclasses.replace(D.SMOKE, if_missed=("all3+qgz8",))
+    monkeypatch.setitem(D.STUDIES, "smoke-m", study)
+    own = [f"smoke-m/{D.FLOOR}@seed1234", f"smoke-m/{D.FLOOR}@seed1235"]
+    follow = ["smoke-m/all3+qgz8@seed1234", "smoke-m/all3+qgz8@seed1235"]
+    # all3 +0.3 % at both seeds: MISSED, so the follow-up joins after the seeds' own jobs
+    missed = _gap_records(0.3)
+    assert R.all3_verdict(R.study_summary(list(missed.values())), study) == "MISSED"
+    assert [S.job_key("smoke-m", c, s) for c, s in S.pending("smoke-m", missed, {})] == (
+        own + follow)
+    # a lease runs them across both recorded seeds, each seed's record rerun first
+    p = S.lease_plan(missed, "smoke-m", "NVIDIA H100")
+    assert p["jobs"] == own + follow and p["all3_verdict"] == "MISSED"
+    assert p["rechecks"] == ["smoke-m/zero3@seed1234", "smoke-m/zero3@seed1235"]
+    results = tmp_path / "results.jsonl"
+    for records, line in ((missed, "all3's verdict MISSED; all3+qgz8 queued on every seed"),
+                          (_gap_records(0.2), "all3's verdict met; all3+qgz8 runs only if it "
+                                              "is MISSED")):
+        results.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+        assert S.main(["plan", "--study", "smoke-m", "--results", str(results), "--device",
+                       "NVIDIA H100"]) == 0
+        assert f"[plan] smoke-m: {line}" in capsys.readouterr().out
+    # controls: met (+0.2 %), or open (one seed without all3): no follow-up
+    met = _gap_records(0.2)
+    assert R.all3_verdict(R.study_summary(list(met.values())), study) == "met"
+    assert [S.job_key("smoke-m", c, s) for c, s in S.pending("smoke-m", met, {})] == own
+    half = {k: v for k, v in missed.items() if k != "smoke-m/all3@seed1235"}
+    assert R.all3_verdict(R.study_summary(list(half.values())), study) is None
+    assert "smoke-m/all3+qgz8@seed1234" not in [
+        S.job_key("smoke-m", c, s) for c, s in S.pending("smoke-m", half, {})]
+    # a study without the rule never queues it, whatever its verdict
+    plain = _gap_records(0.3, study="smoke")
+    assert R.all3_verdict(R.study_summary(list(plain.values())), D.SMOKE) == "MISSED"
+    assert all(c != "all3+qgz8" for c, _ in S.pending("smoke", plain, {}))
 
 
 def test_compare_to_record_identical_different_and_missing():
@@ -667,7 +718,7 @@ def test_lease_plan_keeps_each_seed_on_the_gpu_model_of_its_records():
     results[f"smoke/{z}@seed1234"] = _rec(job=f"smoke/{z}@seed1234", config=z, device=h100)
     assert S.lease_plan(results, "smoke", h100, seeds=[1234]) == {
         "study": "smoke", "device": h100, "seeds": [1234], "elsewhere": {},
-        "jobs": [], "rechecks": [], "recheck_all3": None}
+        "all3_verdict": None, "jobs": [], "rechecks": [], "recheck_all3": None}
     # a seed whose jobs already ran on both models pairs on neither
     results["smoke/all3@seed1235"] = _rec(job="smoke/all3@seed1235", config="all3", seed=1235,
                                          device=h100)
