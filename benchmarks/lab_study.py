@@ -182,8 +182,7 @@ def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
             raise ValueError(f"{what} {unknown} are not study {name}'s (its {what}: "
                              f"{list(known)})")
     configs = study_configs(name, done)
-    jobs = ([(c, s) for s in study.seeds for c in study.configs]
-            + [(c, s) for c in configs[len(study.configs):] for s in study.seeds])
+    jobs = study.jobs() + [(c, s) for c in configs[len(study.configs):] for s in study.seeds]
     return [(c, s) for c, s in jobs
             if job_key(name, c, s) not in done and job_key(name, c, s) not in started
             and (not only or c in only) and (not seeds or s in seeds)]
@@ -686,7 +685,7 @@ def table(args) -> int:
     results = as_results(records)
     seeds = sorted({r["seed"] for r in records})
     iters = records[0]["iters"]
-    summ = L.summary(results, seeds, at=iters)
+    summ = study_summary(records)
     print(f"study {args.study}: {len(records)} finished job(s), final validation loss at "
           f"iteration {iters}, seeds {seeds}\n")
     for line in device_notes(records):
