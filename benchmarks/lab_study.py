@@ -682,7 +682,6 @@ def table(args) -> int:
                          f"{args.results}; keep one")
     order = list(CONFIGS)
     records.sort(key=lambda r: (order.index(r["config"]), r["seed"]))
-    results = as_results(records)
     seeds = sorted({r["seed"] for r in records})
     iters = records[0]["iters"]
     summ = study_summary(records)
@@ -705,12 +704,12 @@ def table(args) -> int:
         seeds_exact = sorted({r["seed"] for r in exact})
         print(f"\nthe same jobs evaluated with the exact 16-bit weights (qwZ jobs recorded "
               f"before those evaluations left out), seeds {seeds_exact}:\n")
-        print(L.table(L.summary(as_results(exact), seeds_exact, at=iters)))
+        print(L.table(study_summary(exact)))
     errors = layer_errors(records)
     if errors:
         print("\n" + "\n".join(errors))
     if args.plot:
-        L.plot(results, args.plot)
+        L.plot(as_results(records), args.plot)
     return 0
 
 
