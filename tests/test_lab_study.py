@@ -322,6 +322,30 @@ def test_targets_met_missed_and_open():
                      "target qwz+hpz inside zero3's seed band: open (2 of 3 seeds)"]
 
 
+def test_a_missed_target_holds_the_rules_settings_against_it():
+    study = D.Study("125m", 100, (1, 2, 3), ("zero3", "all3", "all3+diff4"), micro_batch_size=8,
+                    if_missed=("all3+qgz8",), if_missed_compare=("all3+diff4",))
+    zero3 = {("zero3", 1): 3.00, ("zero3", 2): 3.06, ("zero3", 3): 3.03}
+    missed = {**zero3, **{("all3", s): 1.003 * v for (_, s), v in zero3.items()}}
+    rule = "the rule for the missed all3 target: "
+    # all3 missed and nothing of the rule's run yet
+    assert R.targets(_summary(missed), study)[1:] == [rule + "all3+qgz8: no job yet",
+                                                       rule + "all3+diff4: no job yet"]
+    # the INT8 hop +0.1 % on all three seeds (met); the 4-bit differences +0.4 % on two (open)
+    ran = {**missed, **{("all3+qgz8", s): 1.001 * v for (_, s), v in zero3.items()},
+           ("all3+diff4", 1): 3.012, ("all3+diff4", 2): 1.004 * 3.06}
+    assert R.targets(_summary(ran), study)[1:] == [
+        rule + "all3+qgz8 <= +0.25 %: +0.100 % +- 0.000: met",
+        rule + "all3+diff4 <= +0.25 %: +0.400 % +- 0.000: open (2 of 3 seeds)"]
+    # its third seed: MISSED
+    ran[("all3+diff4", 3)] = 1.004 * 3.03
+    assert R.targets(_summary(ran), study)[2] == (
+        rule + "all3+diff4 <= +0.25 %: +0.400 % +- 0.000: MISSED")
+    # control: all3 met, so the rule says nothing, whatever the other settings did
+    met = {**ran, **{("all3", s): 1.002 * v for (_, s), v in zero3.items()}}
+    assert not any(line.startswith(rule) for line in R.targets(_summary(met), study))
+
+
 def _rec(**kw):
     base = {"job": "smoke/zero3@seed1234", "study": "smoke", "config": "zero3", "seed": 1234,
             "iters": 20, "flags": [], "micro_batch_size": 2, "device": "NVIDIA H100",
