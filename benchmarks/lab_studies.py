@@ -108,8 +108,13 @@ STUDIES = {
     # 125m-w150's. That study's floor moved its final loss as far as the target, so this one
     # measures its own floor too, right after zero3 of each seed: with two seeds, a gap means
     # nothing without it (two ~11-minute jobs more, two per lease).
+    # Set before any 350M data (2026-12-06, after 125M's all3 missed its target with qgZ the
+    # switch): if all3 misses here too, qwz+hpz on both seeds names the switch at 350M (the
+    # issue's 350M matrix has no qwz+hpz), then the INT8 cross-node hop tells whether INT4 is
+    # what costs, as at 125M; four ~11-minute jobs, only after a miss.
     "350m": Study("350m", 1000, (1234, 1235), ("zero3", FLOOR, "all3"), micro_batch_size=4,
-                  warmup_iters=100, lr=3e-4, min_lr=3e-5),
+                  warmup_iters=100, lr=3e-4, min_lr=3e-5,
+                  if_missed=("qwz+hpz", "all3+qgz8")),
 }
 NODES, RANKS_PER_NODE = 2, 2
 

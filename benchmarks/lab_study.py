@@ -549,8 +549,9 @@ def plan(args) -> int:
         if follow:
             verdict = one["all3_verdict"] or "open"
             why += [f"[plan] {one['study']}: all3's verdict {verdict}; "
-                    f"{', '.join(follow)} " + ("queued on every seed" if verdict == "MISSED"
-                                               else "runs only if it is MISSED")]
+                    f"{', '.join(follow)} " + (
+                        "queued on every seed" if verdict == "MISSED"
+                        else f"run{'s' if len(follow) == 1 else ''} only if it is MISSED")]
     first = " ".join(p["rechecks"]) or "nothing (no record of the seeds queued)"
     why += [f"[plan] recheck first: {first}; "
             f"all3: {p['recheck_all3'] or 'nothing (no all3 recorded on this model)'}"]

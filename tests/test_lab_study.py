@@ -36,8 +36,9 @@ def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
     with pytest.raises(ValueError, match=r"seeds \[99\] are not study 125m-w150's"):
         S.pending("125m-w150", {}, {}, seeds=[99, 1234])
     # a configuration outside the study would queue nothing without a word
-    with pytest.raises(ValueError, match=r"configurations \['qwz\+hpz'\] are not study 350m's"):
-        S.pending("350m", {}, {}, only=["qwz+hpz", "all3"])
+    with pytest.raises(ValueError, match=r"configurations \['all3\+diff4'\] are not study "
+                       r"350m's"):
+        S.pending("350m", {}, {}, only=["all3+diff4", "all3"])
 
 
 def test_studies_are_the_issues_matrix():
@@ -59,7 +60,9 @@ def test_studies_are_the_issues_matrix():
     assert low.configs[:3] == ("zero3", "all3", "qwz+hpz")  # the targets' jobs first
     assert (low.warmup, low.lr, low.min_lr) == (150, 3e-4, 3e-5)
     # the rule set before seed 1236's data: a miss runs all three with the INT8 cross-node hop
-    assert low.if_missed == ("all3+qgz8",) and (small.if_missed, medium.if_missed) == ((), ())
+    assert low.if_missed == ("all3+qgz8",) and small.if_missed == ()
+    # set before any 350M data: a miss there names the switch first, then the INT8 hop
+    assert medium.if_missed == ("qwz+hpz", "all3+qgz8") and "qwz+hpz" not in medium.configs
     assert D.CONFIGS["all3+qgz8"] == D.CONFIGS["all3"] + ("--zeropp-qgz-inter-bits", "8")
 
 
