@@ -550,7 +550,9 @@ def plan(args) -> int:
             verdict = one["all3_verdict"] or "open"
             why += [f"[plan] {one['study']}: all3's verdict {verdict}; "
                     f"{', '.join(follow)} " + (
-                        "queued on every seed" if verdict == "MISSED"
+                        ("queued on every seed" if one["seeds"] else
+                         "queued on every seed, none on this model (above)")
+                        if verdict == "MISSED"
                         else f"run{'s' if len(follow) == 1 else ''} only if it is MISSED")]
     first = " ".join(p["rechecks"]) or "nothing (no record of the seeds queued)"
     why += [f"[plan] recheck first: {first}; "

@@ -398,6 +398,12 @@ def test_a_missed_target_queues_the_studys_follow_up_on_every_seed(monkeypatch, 
         assert S.main(["plan", "--study", "smoke-m", "--results", str(results), "--device",
                        "NVIDIA H100"]) == 0
         assert f"[plan] smoke-m: {line}" in capsys.readouterr().out
+    # another GPU model runs none of the seeds' jobs, and the line says so
+    results.write_text("".join(json.dumps(r) + "\n" for r in missed.values()))
+    assert S.main(["plan", "--study", "smoke-m", "--results", str(results), "--device",
+                   "NVIDIA H200"]) == 0
+    assert ("[plan] smoke-m: all3's verdict MISSED; all3+qgz8 queued on every seed, none on "
+            "this model (above)") in capsys.readouterr().out
     # controls: met (+0.2 %), or open (one seed without all3): no follow-up
     met = _gap_records(0.2)
     assert R.all3_verdict(R.study_summary(list(met.values())), study) == "met"
