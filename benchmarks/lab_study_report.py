@@ -237,7 +237,9 @@ def targets(summ: Dict[str, dict], study: Study) -> List[str]:
     """The issue's targets against a :func:`convergence_lab.summary`: all three with the
     defaults (``all3``) at most +0.25 % (mean paired gap to ZeRO-3); ``qwz+hpz``'s mean
     validation loss inside ZeRO-3's seed band (ZeRO-3's lowest to highest over the same
-    seeds; 125M only). Open while a configuration has fewer seeds than the study."""
+    seeds; 125M only). Open while a configuration has fewer seeds than the study. Once all3
+    misses, the settings the study's rule names (``Study.if_missed`` and
+    ``Study.if_missed_compare``) are held against the same target, each on its own line."""
     lines = []
     n = len(study.seeds)
     a = summ.get("all3")
