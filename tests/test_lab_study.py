@@ -37,8 +37,8 @@ def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
         S.pending("125m-w150", {}, {}, seeds=[99, 1234])
     # a configuration outside the study would queue nothing without a word
     with pytest.raises(ValueError, match=r"configurations \['all3\+diff4'\] are not study "
-                       r"350m's"):
-        S.pending("350m", {}, {}, only=["all3+diff4", "all3"])
+                       r"smoke's"):
+        S.pending("smoke", {}, {}, only=["all3+diff4", "all3"])
 
 
 def test_studies_are_the_issues_matrix():
@@ -61,8 +61,10 @@ def test_studies_are_the_issues_matrix():
     assert (low.warmup, low.lr, low.min_lr) == (150, 3e-4, 3e-5)
     # the rule set before seed 1236's data: a miss runs all three with the INT8 cross-node hop
     assert low.if_missed == ("all3+qgz8",) and small.if_missed == ()
-    # set before any 350M data: a miss there names the switch first, then the INT8 hop
-    assert medium.if_missed == ("qwz+hpz", "all3+qgz8") and "qwz+hpz" not in medium.configs
+    # set before any 350M data: a miss there names the switch first, then the INT8 hop and
+    # the 4-bit differences (the setting that met the target at 125M)
+    assert medium.if_missed == ("qwz+hpz", "all3+qgz8", "all3+diff4")
+    assert "qwz+hpz" not in medium.configs
     assert D.CONFIGS["all3+qgz8"] == D.CONFIGS["all3"] + ("--zeropp-qgz-inter-bits", "8")
 
 
