@@ -240,18 +240,19 @@ def targets(summ: Dict[str, dict], study: Study) -> List[str]:
     seeds; 125M only). Open while a configuration has fewer seeds than the study. Once all3
     misses, the settings the study's rule names (``Study.if_missed`` and
     ``Study.if_missed_compare``) are held against the same target, each on its own line."""
+    def has_gap(config: str) -> bool:
+        c = summ.get(config)
+        return c is not None and c["paired_gap_mean_pct"] is not None
+
     lines = []
     n = len(study.seeds)
-    a = summ.get("all3")
-    if a is not None and a["paired_gap_mean_pct"] is not None:
+    if has_gap("all3"):
         lines.append("target " + _target_line(summ, "all3", study))
     if all3_verdict(summ, study) == "MISSED":
         # the rule set before the data: the settings that could meet the target instead
         for config in study.if_missed + study.if_missed_compare:
-            c = summ.get(config)
             lines.append("the rule for the missed all3 target: " + (
-                _target_line(summ, config, study)
-                if c is not None and c["paired_gap_mean_pct"] is not None
+                _target_line(summ, config, study) if has_gap(config)
                 else f"{config}: no job yet"))
     q, z = summ.get("qwz+hpz"), summ.get("zero3")
     if "qwz+hpz" in study.configs and q is not None and z is not None:
