@@ -548,12 +548,14 @@ def plan(args) -> int:
         follow = study_named(one["study"]).if_missed
         if follow:
             verdict = one["all3_verdict"] or "open"
+            if verdict != "MISSED":
+                when = f"run{'s' if len(follow) == 1 else ''} only if it is MISSED"
+            elif one["seeds"]:
+                when = "queued on every seed"
+            else:
+                when = "queued on every seed, none on this model (above)"
             why += [f"[plan] {one['study']}: all3's verdict {verdict}; "
-                    f"{', '.join(follow)} " + (
-                        ("queued on every seed" if one["seeds"] else
-                         "queued on every seed, none on this model (above)")
-                        if verdict == "MISSED"
-                        else f"run{'s' if len(follow) == 1 else ''} only if it is MISSED")]
+                    f"{', '.join(follow)} {when}"]
     first = " ".join(p["rechecks"]) or "nothing (no record of the seeds queued)"
     why += [f"[plan] recheck first: {first}; "
             f"all3: {p['recheck_all3'] or 'nothing (no all3 recorded on this model)'}"]

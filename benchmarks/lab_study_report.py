@@ -201,12 +201,18 @@ def switch_lines(summ: Dict[str, dict]) -> List[str]:
     return lines
 
 
+def _has_paired_gap(summ: Dict[str, dict], config: str) -> bool:
+    c = summ.get(config)
+    return c is not None and c["paired_gap_mean_pct"] is not None
+
+
 def target_verdict(summ: Dict[str, dict], config: str, study: Study) -> Optional[str]:
     """``"met"`` or ``"MISSED"``: ``config``'s mean paired gap to ZeRO-3 over the seeds against
     :data:`ALL3_TARGET_PCT`, once every seed of ``study`` has its gap; ``None`` while open."""
-    a = summ.get(config)
-    if a is None or a["paired_gap_mean_pct"] is None or len(a["paired_gap_pct"]) < len(
-            study.seeds):
+    if not _has_paired_gap(summ, config):
+        return None
+    a = summ[config]
+    if len(a["paired_gap_pct"]) < len(study.seeds):
         return None
     return "met" if a["paired_gap_mean_pct"] <= ALL3_TARGET_PCT else "MISSED"
 
@@ -240,19 +246,15 @@ def targets(summ: Dict[str, dict], study: Study) -> List[str]:
     seeds; 125M only). Open while a configuration has fewer seeds than the study. Once all3
     misses, the settings the study's rule names (``Study.if_missed`` and
     ``Study.if_missed_compare``) are held against the same target, each on its own line."""
-    def has_gap(config: str) -> bool:
-        c = summ.get(config)
-        return c is not None and c["paired_gap_mean_pct"] is not None
-
     lines = []
     n = len(study.seeds)
-    if has_gap("all3"):
+    if _has_paired_gap(summ, "all3"):
         lines.append("target " + _target_line(summ, "all3", study))
     if all3_verdict(summ, study) == "MISSED":
         # the rule set before the data: the settings that could meet the target instead
         for config in study.if_missed + study.if_missed_compare:
             lines.append("the rule for the missed all3 target: " + (
-                _target_line(summ, config, study) if has_gap(config)
+                _target_line(summ, config, study) if _has_paired_gap(summ, config)
                 else f"{config}: no job yet"))
     q, z = summ.get("qwz+hpz"), summ.get("zero3")
     if "qwz+hpz" in study.configs and q is not None and z is not None:
