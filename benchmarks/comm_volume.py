@@ -106,21 +106,22 @@ def replayed(name: str) -> bool:
     return not W.CONFIGS[name].qwz_diff_bits
 
 
-def model_check(results: dict, nodes: int, rpn: int) -> List[str]:
-    """Configurations whose measured bytes differ from the projection tool's replay (those
-    it does not model, see :func:`replayed`, are left out)."""
+def replay(result: dict, nodes: int, rpn: int, config) -> dict:
+    """The projection tool's byte model for one measured result's buckets and segments under
+    ``config`` (a :class:`ZeroPPConfig`), in the measured counts' table form."""
     if _TOOLS not in sys.path:
         sys.path.insert(0, _TOOLS)
     from project_throughput import iteration_counts
 
-    bad = []
-    for name, r in results.items():
-        if not replayed(name):
-            continue
-        model = iteration_counts(r["buckets"], nodes, rpn, W.CONFIGS[name], r.get("segments"))
-        if W.counts_table_row(model) != r["counts"]:
-            bad.append(name)
-    return bad
+    return W.counts_table_row(iteration_counts(result["buckets"], nodes, rpn, config,
+                                               result.get("segments")))
+
+
+def model_check(results: dict, nodes: int, rpn: int) -> List[str]:
+    """Configurations whose measured bytes differ from the projection tool's replay (those
+    it does not model, see :func:`replayed`, are left out)."""
+    return [name for name, r in results.items()
+            if replayed(name) and replay(r, nodes, rpn, W.CONFIGS[name]) != r["counts"]]
 
 
 def report(measured: Dict[Tuple[int, int], dict], spec: W.ModelSpec) -> str:

@@ -65,10 +65,7 @@ def test_the_loss_studys_two_settings_bytes():
     assert not comm_volume.replayed("qwZ diff4+hpZ+qgZ") and comm_volume.replayed(names[1])
     # Negative control: replayed as the INT8 qwZ it would otherwise be taken for, the
     # differences' bytes do not match, so leaving them out of the check is not a formality.
-    sys.path.insert(0, comm_volume._TOOLS)
-    from project_throughput import iteration_counts
     r = measured["qwZ diff4+hpZ+qgZ"]
-    assert W.counts_table_row(iteration_counts(r["buckets"], 2, 2, W.CONFIGS["qwZ+hpZ+qgZ"],
-                                               r.get("segments"))) != r["counts"]
+    assert comm_volume.replay(r, 2, 2, W.CONFIGS["qwZ+hpZ+qgZ"]) != r["counts"]
     assert "Not in the byte model: ['qwZ diff4+hpZ+qgZ']" in comm_volume.report(
         {(2, 2): measured}, spec)
