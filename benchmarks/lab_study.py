@@ -140,7 +140,8 @@ def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str,
         "--eval-interval", str(study.eval_interval), "--eval-iters", str(study.eval_iters),
         "--data-cache-path", os.path.join(job_dir, "data_cache"), "--seed", str(seed),
         "--zeropp-eval-weights", EVAL_WEIGHTS,
-    ] + list(CONFIGS[config]) + diagnostic_flags(config, study.eval_interval, job_dir)
+    ] + list(study.pinned) + list(CONFIGS[config]) + diagnostic_flags(
+        config, study.eval_interval, job_dir)
 
 
 def read_results(path: str) -> Dict[str, dict]:

@@ -44,13 +44,14 @@ def test_parse_layout():
 
 
 def test_the_loss_studys_two_settings_bytes():
-    """The two settings the 125M study held against the loss target: the INT8 cross-node hop
-    sends more gradient bytes across nodes than INT4 (the byte model replays it exactly); the
-    4-bit weight differences send fewer forward bytes across nodes than INT8 qwZ, and the byte
-    model, which does not model them, is not claimed to match them."""
+    """The settings the 125M study held against the loss target: the INT8 cross-node hop (the
+    default since) sends more gradient bytes across nodes than INT4 (the byte model replays
+    both exactly); the 4-bit weight differences send fewer forward bytes across nodes than
+    INT8 qwZ, and the byte model, which does not model them, is not claimed to match them."""
     # Matrices of 1e5 elements and more, so that qwZ and qgZ quantize (smaller ones go exact).
     spec = W.ModelSpec(layers=1, hidden=256, heads=4, vocab=1024, seq=16)
-    names = ["qwZ+hpZ+qgZ", "qwZ+hpZ+qgZ (INT8 hop)", "qwZ diff4+hpZ+qgZ"]
+    diff = "qwZ diff4+hpZ+qgZ (INT4 hop)"
+    names = ["qwZ+hpZ+qgZ (INT4 hop)", "qwZ+hpZ+qgZ", diff]
     measured = comm_volume.measure([(2, 2)], names, spec)[(2, 2)]
     base, hop8, diff4 = (measured[n]["counts"] for n in names)
     grad4, grad8 = (W.total_bytes(c, "grad", "inter", "payload") for c in (base, hop8))
@@ -62,10 +63,10 @@ def test_the_loss_studys_two_settings_bytes():
     fwd8, fwd_diff = (W.total_bytes(c, "forward", "inter") for c in (base, diff4))
     assert 0 < fwd_diff < 0.5 * fwd8, (fwd_diff, fwd8)
     assert comm_volume.model_check(measured, 2, 2) == []
-    assert not comm_volume.replayed("qwZ diff4+hpZ+qgZ") and comm_volume.replayed(names[1])
+    assert not comm_volume.replayed(diff) and all(map(comm_volume.replayed, names[:2]))
     # Negative control: replayed as the INT8 qwZ it would otherwise be taken for, the
     # differences' bytes do not match, so leaving them out of the check is not a formality.
-    r = measured["qwZ diff4+hpZ+qgZ"]
-    assert comm_volume.replay(r, 2, 2, W.CONFIGS["qwZ+hpZ+qgZ"]) != r["counts"]
-    assert "Not in the byte model: ['qwZ diff4+hpZ+qgZ']" in comm_volume.report(
+    r = measured[diff]
+    assert comm_volume.replay(r, 2, 2, W.CONFIGS[names[0]]) != r["counts"]
+    assert f"Not in the byte model: ['{diff}']" in comm_volume.report(
         {(2, 2): measured}, spec)

@@ -14,8 +14,8 @@ from megatron_zeropp.sharding import ZeroPPConfig  # noqa: E402
 
 # 2 nodes x 2 GPUs (Z = 4, K = 2, N = 2), one bucket of M = 16384 elements (shard 4096).
 M = 16384
-# INT4 on both qgZ hops (not the INT8 intra-node default): the hand arithmetic below uses it.
-ZPP = ZeroPPConfig(qwz=True, hpz=True, qgz=True, qgz_intra_bits=4)
+# INT4 on both qgZ hops (not the INT8 defaults): the hand arithmetic below uses it.
+ZPP = ZeroPPConfig(qwz=True, hpz=True, qgz=True, qgz_intra_bits=4, qgz_inter_bits=4)
 
 
 def _cluster(**kw):

@@ -23,7 +23,7 @@ def _inter(config, m):
 def test_bytes_per_step_hand_checked():
     ring = 3 * 4096 * 2  # bf16 ring over 4 ranks: 3 shards of 4096 elements = 24576 bytes
     qwz = 3 * 4096 + 3 * 16 * 4  # INT8 shard + fp32 scales (blocks of 256) to 3 peers
-    qgz = 2048 + 32 * 4  # hop 2: one INT4 row + its scales to the other node
+    qgz = 4096 + 32 * 4  # hop 2: one INT8 row (the default) + its scales to the other node
     assert _inter("megatron", 8) == 2 * ring  # one all-gather + one reduce-scatter per step
     assert _inter("zero3", 1) == 3 * ring
     assert _inter("zero3", 8) == 16 * ring + ring  # gathers every micro-batch, grads once

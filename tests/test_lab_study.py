@@ -61,9 +61,10 @@ def test_studies_are_the_issues_matrix():
     assert (low.warmup, low.lr, low.min_lr) == (150, 3e-4, 3e-5)
     # the rule set before seed 1236's data: a miss runs all three with the INT8 cross-node hop
     assert low.if_missed == ("all3+qgz8",) and small.if_missed == ()
-    # set before any 350M data: a miss there names the switch first, then the INT8 hop and
-    # the 4-bit differences (the setting that met the target at 125M)
-    assert medium.if_missed == ("qwz+hpz", "all3+qgz8", "all3+diff4")
+    # set before any 350M job with qgZ: a miss there names the switch first, then the 4-bit
+    # differences (the other setting that met the target at 125M); the INT8 hop is the
+    # default by then, all3 itself
+    assert medium.if_missed == ("qwz+hpz", "all3+diff4") and medium.pinned == ()
     assert "qwz+hpz" not in medium.configs
     assert D.CONFIGS["all3+qgz8"] == D.CONFIGS["all3"] + ("--zeropp-qgz-inter-bits", "8")
 
@@ -90,6 +91,29 @@ def test_job_flags_carry_the_recipe_and_the_floors_cut(sample_dir):
     assert _flag(S.job_flags(small, D.FLOOR, 1, sample_dir, "d", 2), "--micro-batch-size") == "1"
     with pytest.raises(ValueError, match="does not divide"):
         S.job_flags(small, D.FLOOR, 1234, sample_dir, "d", 3)
+
+
+def _zeropp(flags):
+    """The ZeroPPConfig pretrain_gpt.py builds from a job's flags (its --zeropp-* ones)."""
+    import argparse
+
+    from megatron_zeropp.sharding.config_flags import add_zeropp_flags, config_from_args
+    parser = argparse.ArgumentParser()
+    add_zeropp_flags(parser)
+    known, _ = parser.parse_known_args(flags)
+    return config_from_args(known)
+
+
+def test_a_studys_pinned_defaults_hold_and_its_configurations_override_them(sample_dir):
+    # every 125M job ran qgZ's cross-node hop at INT4, its default then: their flags say so
+    for name in ("125m", "125m-w150", "125m-lr3e-4"):
+        study = D.STUDIES[name]
+        assert _zeropp(S.job_flags(study, "all3", 1234, sample_dir, "d")).qgz_inter_bits == 4
+    small = D.STUDIES["125m-lr3e-4"]
+    assert _zeropp(S.job_flags(small, "all3+qgz8", 1234, sample_dir, "d")).qgz_inter_bits == 8
+    # negative control: without the pin the same job runs today's default, INT8
+    unpinned = dataclasses.replace(small, pinned=())
+    assert _zeropp(S.job_flags(unpinned, "all3", 1234, sample_dir, "d")).qgz_inter_bits == 8
 
 
 def _fake_job(tmp_path, config, seed, final, iters=20, gap=0.0):

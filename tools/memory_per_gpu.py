@@ -387,7 +387,7 @@ class ZeroSettings:
     qwz_bits: int = 8
     qwz_block: int = 256
     qgz: bool = False
-    qgz_bits: Tuple[int, int] = (8, 4)
+    qgz_bits: Tuple[int, int] = (8, 8)  # (intra, inter): ZeroPPConfig's defaults
     qgz_block: int = 128
     shard_grads: bool = False
     prefetch_depth: int = 1

@@ -36,9 +36,12 @@ class ZeroPPConfig:
     qgz_intra_bits: int = 8
     """Bits per gradient on qgZ's intra-node hop (4 or 8). INT8 by default, as SDP4Bit: the
     intra-node hop runs only when a node holds more than one DP rank, over the fast links, so
-    its bytes cost little and halving its error is cheap; the cross-node hop stays INT4."""
-    qgz_inter_bits: int = 4
-    """Bits per gradient on qgZ's inter-node hop (4 or 8)."""
+    its bytes cost little and halving its error is cheap."""
+    qgz_inter_bits: int = 8
+    """Bits per gradient on qgZ's inter-node hop (4 or 8). INT8 by default since 2026-12-06:
+    in the 125M lab study (three seeds, docs/benchmarks.md) all three with an INT4 hop ended
+    +0.45 % above ZeRO-3's final loss, with INT8 -0.09 %, for 1.2-1.3x the INT4 hop's bytes
+    per node link. 4: ZeRO++'s fewest bytes, at that loss."""
     qgz_block_size: int = 128
     """Gradients per qgZ scale (a power of two in [32, 4096])."""
     small_param_threshold: int = 100_000

@@ -10,7 +10,7 @@ Data flow of one unit (≈ one transformer layer) in one training step::
     output grad hook    gather again (hpZ: inside the node), prefetch the previous unit
     grad accumulation   megatron-core's main_grad; when the unit's last grad arrived,
                         release the weights; on the last micro-batch the unit reduce-scatters
-                        its buckets (qgZ: 2-hop INT4 all-to-all) into chunk r of the grad
+                        its buckets (qgZ: 2-hop quantized all-to-all) into chunk r of the grad
                         buffer, where DistributedOptimizer reads it. With shard_grads, every
                         micro-batch reduces the unit at once into an fp32 shard and frees its
                         full gradients. The unit owns its gradients either way: megatron-core's
