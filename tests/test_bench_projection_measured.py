@@ -92,8 +92,8 @@ def test_the_70b_target_is_the_shipped_recipe():
     assert sorted(t.inter_gbit for t in t70) == [400.0, 3200.0]
 
 
-def _results(tmp_path, measured_factor=1.0):
-    meta = {"model": "tiny", "gpus": 2, "machine": "test box",
+def _results(tmp_path, measured_factor=1.0, date="2026-12-07 10:00 UTC", as_if=None):
+    meta = {"model": "tiny", "gpus": 2, "machine": "test box", "date": date,
             "model_flags": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
                             "4", "--seq-length", "64", "--micro-batch-size", "2",
                             "--vocab-size", "50257"]}
@@ -105,7 +105,8 @@ def _results(tmp_path, measured_factor=1.0):
     runs.append({"link": "nvlink", "config": "megatron", "micro_batches": 2, "status": "failed",
                  "tflops_median": 900.0})
     for config in ("zero3", "all3"):
-        expected = PM.inter_bytes(PM.step_phases(config, buckets, 2, 1, 8, tied))
+        spec = PM.spec_as_recorded(config, as_if or date)
+        expected = PM.inter_bytes(PM.step_phases(config, buckets, 2, 1, 8, tied, spec))
         runs.append({"link": "10gbit", "config": config, "micro_batches": 8, "status": "ok",
                      "inter_bytes_median": expected * measured_factor})
     data = {"meta": meta, "probes": {"nvlink": {"recv_gbit_per_rank": 1600.0}}, "runs": runs}
@@ -124,6 +125,23 @@ def test_measurement_inputs_and_byte_check(tmp_path):
     data["runs"] = [r for r in data["runs"] if r["config"] != "megatron"]
     with pytest.raises(ValueError, match="pass --tflops"):
         PM.report(data, 400.0)
+
+
+def test_byte_check_reads_a_run_with_the_defaults_of_its_day(tmp_path):
+    # qgZ's cross-node hop: INT8 since 2026-12-06, INT4 before (records of then don't name it)
+    assert PM.spec_as_recorded("all3", "2026-11-30 15:03 UTC")[0].qgz_inter_bits == 4
+    assert PM.spec_as_recorded("all3", "2026-12-06 21:00 UTC")[0].qgz_inter_bits == 8
+    assert PM.spec_as_recorded("qwz_hpz", "2026-11-30") == PM.CONFIGS["qwz_hpz"]
+    old, _ = _results(tmp_path, date="2026-11-30 15:03 UTC")
+    assert [c["ratio"] for c in PM.byte_check(old)] == [1.0, 1.0]
+    # negative control: an INT4-hop record read as if made today no longer matches its bytes
+    mixed, _ = _results(tmp_path, date="2026-12-07 10:00 UTC", as_if="2026-11-30")
+    assert [c["ratio"] == 1.0 for c in PM.byte_check(mixed)] == [True, False]
+    # the 2 H200 runs of 2026-11-30 (docs/benchmarks.md): measured = model once more
+    with open(os.path.join(ROOT, "docs", "gpu_shaped_results.json")) as f:
+        real = json.load(f)
+    ratios = [c["ratio"] for c in PM.byte_check(real)]
+    assert ratios and all(abs(r - 1) < 0.002 for r in ratios), ratios
 
 
 def test_cli(tmp_path, capsys):

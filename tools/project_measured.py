@@ -36,6 +36,7 @@ parallel traffic is not modelled (it is the same for every data-parallel layer).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -158,15 +159,32 @@ def _megatron_counts(buckets: Sequence[int], nodes: int, per_node: int) -> Dict[
     return {k: v.step() for k, v in stats.items()}
 
 
+# qgZ's cross-node hop was INT4 by default until this date (the 125M loss study moved it to
+# INT8): a run recorded before it ran the INT4 hop without naming it.
+INT8_HOP_SINCE = "2026-12-06"
+
+
+def spec_as_recorded(config: str, date: str) -> Optional[Tuple[ZeroPPConfig, bool]]:
+    """``CONFIGS[config]`` with the defaults of the day a run of it was recorded (``date``
+    begins ``YYYY-MM-DD``, as results' meta writes it)."""
+    spec = CONFIGS[config]
+    if spec is not None and spec[0].qgz and date[:10] < INT8_HOP_SINCE:
+        spec = (dataclasses.replace(spec[0], qgz_inter_bits=4), spec[1])
+    return spec
+
+
 def step_phases(config: str, buckets: Sequence[int], nodes: int, per_node: int, m: int,
-                tied_embedding: Optional[int] = None) -> List[Tuple[StepCounts, int]]:
+                tied_embedding: Optional[int] = None,
+                spec: Optional[Tuple[ZeroPPConfig, bool]] = None
+                ) -> List[Tuple[StepCounts, int]]:
     """(one collective's counts, how often per step) for every kind of collective in a step.
 
     ``tied_embedding``: elements of the embedding unit when the output layer shares its weight
     (GPT, PP = 1): the ZeRO layer then gathers that unit twice per forward (lookup and logits)
-    and once per backward (logits; the lookup's gradient needs no weight).
+    and once per backward (logits; the lookup's gradient needs no weight). ``spec``: the
+    switches, if not today's ``CONFIGS[config]`` (:func:`spec_as_recorded`).
     """
-    spec = CONFIGS[config]
+    spec = CONFIGS[config] if spec is None else spec
     if spec is None:
         everything = list(buckets) + ([tied_embedding] if tied_embedding else [])
         c = _megatron_counts(everything, nodes, per_node)
@@ -272,8 +290,9 @@ def byte_check(data: dict) -> List[dict]:
         measured = r.get("inter_bytes_median")
         if measured is None:
             continue
+        spec = spec_as_recorded(r["config"], data["meta"]["date"])
         predicted = inter_bytes(step_phases(r["config"], buckets, 2, per_node,
-                                            r["micro_batches"], tied))
+                                            r["micro_batches"], tied, spec))
         out.append({"link": r["link"], "config": r["config"], "micro_batches": r["micro_batches"],
                     "measured": measured, "model": predicted, "ratio": measured / predicted})
     return out
