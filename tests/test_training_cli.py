@@ -86,6 +86,20 @@ def test_a_valid_command_line_fills_megatron_defaults():
     assert swiglu.ffn_hidden_size == 128  # 8/3 * 64 = 170.7, truncated to a multiple of 64
 
 
+def test_changed_zeropp_flags_name_what_a_resume_changes():
+    from megatron_zeropp.sharding.config_flags import changed_flags
+
+    now = parse_args(BASE + ["--zeropp-qgz"], world_size=4)
+    saved = vars(parse_args(BASE + ["--zeropp-qgz", "--zeropp-qgz-inter-bits", "4"],
+                            world_size=4))
+    # a checkpoint of the INT4 hop, the default before 2026-12-06, resumed with today's
+    assert changed_flags(saved, now) == ["--zeropp-qgz-inter-bits 4 -> 8"]
+    assert changed_flags(vars(now), now) == []  # negative control: the same flags
+    # a checkpoint that stores no ZeRO++ flags (Megatron-LM's): nothing to compare
+    assert changed_flags({k: v for k, v in saved.items() if not k.startswith("zeropp_")},
+                         now) == []
+
+
 def test_qgz_rounds_stochastically_by_default_and_nearest_when_asked(capsys):
     from megatron_zeropp.sharding import ZeroPPConfig
     from megatron_zeropp.sharding.config_flags import config_from_args

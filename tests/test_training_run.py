@@ -2,6 +2,8 @@
 flags, and for ``--ckpt-format torch`` bit-exact resume, resume with another DP layout, and a save
 killed half-way (test_checkpoint_dist.py does the same for torch_dist, the default)."""
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -20,9 +22,15 @@ def _argv(sample_dir, iters, extra=()):
             f"--ranks-per-node 2 --ckpt-format torch").split() + list(extra)
 
 
-def _pretrain(ctx, argv, capture_at=(), kill_save_at=None):
+def _pretrain(ctx, argv, capture_at=(), kill_save_at=None, stdout=False):
     from megatron_zeropp.checkpointing import legacy as checkpoint
     from megatron_zeropp.training.loop import pretrain
+
+    if stdout:  # what this rank printed, returned third
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            history, captured = _pretrain(ctx, argv, capture_at, kill_save_at)
+        return history, captured, text.getvalue()
 
     captured = {}
 
@@ -61,13 +69,18 @@ def test_resume_is_bit_exact(sample_dir, tmp_path):
 
 def test_resume_with_another_dp_layout(sample_dir, tmp_path):
     save = str(tmp_path / "ckpt")
+    # saved with qgZ's cross-node hop at INT4 (the default before 2026-12-06)
     first = run_distributed(_pretrain, 2, 2, args=(
-        _argv(sample_dir, 3, ZEROPP + ["--save", save]),), kwargs={"capture_at": (3,)})
+        _argv(sample_dir, 3, ZEROPP + ["--save", save, "--zeropp-qgz-inter-bits", "4"]),),
+        kwargs={"capture_at": (3,)})
     saved_params = first[0][1][3]
     # DP 4 (2 nodes x 2) -> DP 2 (1 node x 2): every rank now owns other element ranges.
     second = run_distributed(_pretrain, 1, 2, args=(
         _argv(sample_dir, 5, ZEROPP + ["--load", save, "--use-checkpoint-opt_param-scheduler"]),),
-        kwargs={"capture_at": (3,)})
+        kwargs={"capture_at": (3,), "stdout": True})
+    # the last rank prints the log: the resume says which ZeRO++ flag changed
+    assert ("> ZeRO++ flags differ from the run that saved it (this run's apply): "
+            "--zeropp-qgz-inter-bits 4 -> 8") in second[-1][2]
     loaded = second[0][1][3]
     assert loaded.keys() == saved_params.keys()
     tensors = [k for k, v in saved_params.items() if torch.is_tensor(v)]

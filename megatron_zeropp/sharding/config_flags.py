@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import re
 import typing
+from typing import List, Mapping
 
 from .config import ZeroPPConfig
 
@@ -90,6 +91,19 @@ _FIELD = re.compile(r"\b(%s)\b" % "|".join(sorted(
 def flag_names(message: str) -> str:
     """``message`` with every ZeroPPConfig field name written as its flag."""
     return _FIELD.sub(lambda m: flag(m.group(1)), message)
+
+
+def changed_flags(saved: Mapping[str, object], args) -> List[str]:
+    """``--flag SAVED -> NOW`` for every ZeRO++ flag the run that saved a checkpoint
+    (``saved``: the arguments it stores) set otherwise than ``args``. Flags it did not store (a
+    Megatron-LM checkpoint, an older release) are left out. A resume may change any of them;
+    this says which did, defaults changed since included."""
+    out = []
+    for field in dataclasses.fields(ZeroPPConfig):
+        key = PREFIX + field.name
+        if key in saved and saved[key] != getattr(args, key):
+            out.append(f"{flag(field.name)} {saved[key]!r} -> {getattr(args, key)!r}")
+    return out
 
 
 def config_from_args(args) -> ZeroPPConfig:

@@ -20,6 +20,7 @@ from megatron_zeropp.checkpointing import dist as checkpoint_dist
 from megatron_zeropp.checkpointing import integrity as checkpoint_integrity
 from megatron_zeropp.checkpointing import legacy as checkpoint
 from megatron_zeropp.errors import StartupError
+from megatron_zeropp.sharding.config_flags import changed_flags
 from megatron_zeropp.sharding.support import ranks_per_node
 from megatron_zeropp.topology import build_topology
 from megatron_zeropp.training.megatron_lm_rng import warm_up_as_megatron_lm
@@ -220,7 +221,22 @@ def _load(args, load_iteration, chunks, optimizer, scheduler):
         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, finetune=finetune)
     _log(f"> loaded checkpoint of iteration {iteration} from {args.load}"
          + (" (--finetune: weights only, starting at iteration 0)" if finetune else ""))
+    changed = changed_flags(_stored_args(args.load, load_iteration, dist_format), args)
+    if changed:
+        _log("> ZeRO++ flags differ from the run that saved it (this run's apply): "
+             + "; ".join(changed))
     return (0, 0) if finetune else (iteration, consumed)
+
+
+def _stored_args(load: str, iteration: int, dist_format: bool) -> dict:
+    """The arguments a loaded checkpoint stores ({} if none: nothing to compare with)."""
+    if dist_format:
+        stored = checkpoint_dist.read_common(load, iteration).get("args")
+        return dict(vars(stored)) if stored is not None else {}
+    try:
+        return checkpoint.saved_args(load, iteration)
+    except ValueError:  # its files store no arguments
+        return {}
 
 
 def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] = None) -> dict:
