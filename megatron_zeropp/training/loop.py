@@ -221,22 +221,15 @@ def _load(args, load_iteration, chunks, optimizer, scheduler):
         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, finetune=finetune)
     _log(f"> loaded checkpoint of iteration {iteration} from {args.load}"
          + (" (--finetune: weights only, starting at iteration 0)" if finetune else ""))
-    changed = changed_flags(_stored_args(args.load, load_iteration, dist_format), args)
+    try:
+        saved = _saved_args(args.load, load_iteration)
+    except ValueError:  # the checkpoint stores no arguments: nothing to compare with
+        saved = {}
+    changed = changed_flags(saved, args)
     if changed:
         _log("> ZeRO++ flags differ from the run that saved it (this run's apply): "
              + "; ".join(changed))
     return (0, 0) if finetune else (iteration, consumed)
-
-
-def _stored_args(load: str, iteration: int, dist_format: bool) -> dict:
-    """The arguments a loaded checkpoint stores ({} if none: nothing to compare with)."""
-    if dist_format:
-        stored = checkpoint_dist.read_common(load, iteration).get("args")
-        return dict(vars(stored)) if stored is not None else {}
-    try:
-        return checkpoint.saved_args(load, iteration)
-    except ValueError:  # its files store no arguments
-        return {}
 
 
 def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] = None) -> dict:
