@@ -92,8 +92,7 @@ def test_cross_node_bytes_3m_vs_075m(measured, nodes, rpn):
     expect_payload = scales = plain_payload = 0
     for b, segs in zip(pp["buckets"], pp["segments"]):
         lq, lg = layout_for(segs, z, b // z, 256), layout_for(segs, z, b // z, 128)
-        qw = quantized_sizes(lq.quant_numel, 8, 256)
-        qg = quantized_sizes(lg.quant_numel, 4, 128)
+        qw, qg = quantized_sizes(lq.quant_numel, 8, 256), quantized_sizes(lg.quant_numel, 4, 128)
         expect_payload += (z - 1) * qw[0] + (z - n) * 2 * lq.exact_elements(0)
         expect_payload += sum(qg[0] + 4 * lg.exact_elements(kk * n) for kk in range(1, k))
         # Scales: one fp32 per qwZ block of each of the Z-1 shards received, one per qgZ
