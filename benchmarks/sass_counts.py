@@ -12,7 +12,7 @@ unpacked somewhere other than the project's environment, e.g.::
     chmod +x /tmp/triton36/triton/backends/nvidia/bin/*
     PYTHONPATH=/tmp/triton36:$PWD python benchmarks/sass_counts.py --mode plain
 
-``--mode``: ``nonplain`` compiles the general path only (the quantize kernels' default: no
+``--mode``: ``nonplain`` compiles the general path only (the INT8 quantize's default: no
 plain-tile test); ``plain`` replaces the plain-tile test by "always plain", which is the path a
 finite, normal tile takes in the kernels that test (the dequantize-reduce-requantize), without
 the test's own cost; ``default`` compiles the kernels as they are (both paths where there is a
@@ -36,9 +36,9 @@ from triton.compiler import ASTSource
 from megatron_zeropp.quant import triton_kernels as tk
 
 BS = 256
-TILE, WARPS, _ = tk._CONFIG["reduce"]  # the INT4 dequantize-reduce-requantize
-TILE8, WARPS8, _ = tk._CONFIG["quantize"]
-TILE4, WARPS4, _ = tk._CONFIG["quantize4"]
+TILE, WARPS, FAST = tk._CONFIG["reduce"]  # the INT4 dequantize-reduce-requantize
+TILE8, WARPS8, FAST8 = tk._CONFIG["quantize"]
+TILE4, WARPS4, FAST4 = tk._CONFIG["quantize4"]
 _DIV16 = [["tt.divisibility", 16]]  # or the loads and stores come out scalar
 
 
@@ -80,12 +80,13 @@ def main() -> None:
         print(f"warning: Triton {triton.__version__}, not the device's 3.6.0")
     if args.mode == "plain":
         tk._block_params = _always_plain  # resolved by name when the kernels compile
-    fast = args.mode != "nonplain"
+    def fast(default):  # whether the kernel compiles the plain-tile test
+        return {"plain": True, "nonplain": False}.get(args.mode, default)
     out_dir = args.out or tempfile.mkdtemp(prefix="sass_")
     os.makedirs(out_dir, exist_ok=True)
     per_thread = TILE / (32 * WARPS)
     for bits, name in ((8, "INT8 quantize"), (4, "INT4 swizzled quantize 2x4")):
-        tile, warps = (TILE8, WARPS8) if bits == 8 else (TILE4, WARPS4)
+        tile, warps, test = (TILE8, WARPS8, FAST8) if bits == 8 else (TILE4, WARPS4, FAST4)
         for sr in (False, True):
             sig = {"x_ptr": "*bf16", "data_ptr": "*i8" if bits == 8 else "*i32",
                    "scale_ptr": "*fp32", "keys_ptr": "*i64" if sr else "*fp32",
@@ -93,7 +94,7 @@ def main() -> None:
             consts = dict(NODES=1 if bits == 8 else 2, RANKS_PER_NODE=1 if bits == 8 else 4,
                           SWIZZLE=bits == 4, ROWS_FIRST=bits == 4, BITS=bits,
                           QMAX_F=float(tk.QMAX[bits]), BS=BS, G=tile // BS, EVEN=True,
-                          FAST=args.mode == "plain", INTERPRET=False, STOCHASTIC=sr)
+                          FAST=fast(test), INTERPRET=False, STOCHASTIC=sr)
             n, ops = _count(tk._quantize_rows_kernel, sig, consts, out_dir,
                             f"quantize{bits}_{'sr' if sr else 'rne'}", warps)
             _report(name, sr, n, tile / (32 * warps), ops)
@@ -104,7 +105,7 @@ def main() -> None:
                "nbytes_in": "i32", "nblocks_in": "i32", "nbytes_out": "i32",
                "nblocks_out": "i32", "magic_bits": "i32"}
         consts = dict(ROWS_FIRST=False, P=8, IN_BITS=4, IN_BS=BS, OUT_BITS=4, OUT_QMAX_F=7.0,
-                      OUT_BS=BS, TILE=TILE, EVEN=True, INTERPRET=False, FAST=fast,
+                      OUT_BS=BS, TILE=TILE, EVEN=True, INTERPRET=False, FAST=fast(FAST),
                       STOCHASTIC=sr, OFF64=False)
         n, ops = _count(tk._dequantize_reduce_kernel, sig, consts, out_dir,
                         f"reduce_{'sr' if sr else 'rne'}")

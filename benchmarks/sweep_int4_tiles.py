@@ -10,7 +10,10 @@ rounding fall from 20.6 to 16.7 instructions per element from 32 to 64 elements 
 elements on one warp against 2048), as the per-thread work (block parameters with two IEEE
 divisions, the absmax's shuffles, addressing) is shared by twice the elements; the kernel is
 bound by issue with stochastic rounding on an H200. Registers rise from 61 to 96 (no spills).
-Only a measurement says whether the lower occupancy costs more than that. Every output of every
+Only a measurement says whether the lower occupancy costs more than that; the H200 of
+2026-12-06 gave 91.1 % of copy bandwidth at 2048/1 and 93.7 % at 1024/1 with the plain-tile
+test, against 87.9 % at 1024/1 without it, and that became the default (docs/benchmarks.md,
+"Tile shapes on an H200"). Every output of every
 shape is compared bit for bit with the default shape's, whose own output is compared with the
 reference (``qgz_reference``); the tile shape must not change a bit. Rows go to ``--json`` as
 they come, so a run cut short keeps what it measured.
@@ -36,14 +39,14 @@ from megatron_zeropp.quant import reference as ref  # noqa: E402
 from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
 from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 
-# (elements per program, warps[, fast]); None: the default of triton_kernels._CONFIG, first.
-# fast: the plain-tile test (_block_params), which spares a plain tile's codes the select and
-# the multiply by p; the INT4 quantize's default does not test. Its static counts with
-# stochastic rounding (sass_counts.py): 20.56 per element at the default 1024/1, 16.67 at
-# 2048/1; on the plain path of the test 19.56 and 15.69, before the test's own instructions.
-SHAPES = {"quantize4": [None, (2048, 1), (1024, 1, True), (2048, 1, True), (4096, 2), (4096, 1),
-                        (2048, 2), (8192, 4)],
-          "reduce": [None, (4096, 2), (4096, 4), (8192, 4), (1024, 1), (2048, 1)]}
+# (elements per program, warps, fast) or (elements per program, warps) with the default's
+# fast; None: the default of triton_kernels._CONFIG, first. fast: the plain-tile test
+# (_block_params), which spares a plain tile's codes the select and the multiply by p. The
+# defaults before the H200 sweep of 2026-12-06 (quantize4 1024/1 without the test, reduce
+# 2048/2) stay in the list, so every sweep times them beside today's.
+SHAPES = {"quantize4": [None, (1024, 1, False), (2048, 1, True), (2048, 1, False),
+                        (4096, 1, True), (4096, 2, True), (2048, 2, True), (8192, 4, True)],
+          "reduce": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
 
 
 def _tuning(shape):
