@@ -129,7 +129,10 @@ STUDIES = {
     # INT8 by default, before any 350M job with qgZ ran (only zero3@1234 had, no qgZ in it):
     # 350M's all3 runs the new defaults, all3+qgz8 would repeat it bit for bit, and a miss
     # runs qwz+hpz and all3+diff4 (with the INT8 hop) on both seeds.
-    "350m": Study("350m", 1000, (1234, 1235), ("zero3", FLOOR, "all3"), micro_batch_size=4,
+    # The order changed on 2026-12-07 (three jobs recorded, none with qgZ): all3 before the
+    # floor, so a lease cut short (each seed's jobs need its own GPU model now) still runs the
+    # target's job; what the study runs is the same.
+    "350m": Study("350m", 1000, (1234, 1235), ("zero3", "all3", FLOOR), micro_batch_size=4,
                   warmup_iters=100, lr=3e-4, min_lr=3e-5,
                   if_missed=("qwz+hpz", "all3+diff4")),
 }

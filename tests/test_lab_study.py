@@ -48,6 +48,7 @@ def test_studies_are_the_issues_matrix():
     assert D.CONFIGS["all3+diff4"][-2:] == ("--zeropp-qwz-diff-bits", "4")
     assert medium.iters >= 1000 and len(medium.seeds) >= 2 and set(medium.configs) == {
         "zero3", "all3", D.FLOOR}
+    assert medium.configs[:2] == ("zero3", "all3")  # the target's job before the floor
     warm = D.STUDIES["125m-w150"]
     assert (warm.model, warm.iters, warm.seeds) == (small.model, small.iters, small.seeds)
     assert set(warm.configs) == set(small.configs) and D.FLOOR in warm.configs
