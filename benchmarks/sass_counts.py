@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 from megatron_zeropp.quant import triton_kernels as tk
 
 BS = 256
-TILE, WARPS, FAST = tk._CONFIG["reduce"]  # the INT4 dequantize-reduce-requantize
+TILE, WARPS, FAST = tk._CONFIG["reduce4"]  # the INT4 dequantize-reduce-requantize
 TILE8, WARPS8, FAST8 = tk._CONFIG["quantize"]
 TILE4, WARPS4, FAST4 = tk._CONFIG["quantize4"]
 _DIV16 = [["tt.divisibility", 16]]  # or the loads and stores come out scalar

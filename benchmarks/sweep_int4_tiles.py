@@ -42,11 +42,11 @@ from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 # (elements per program, warps, fast) or (elements per program, warps) with the default's
 # fast; None: the default of triton_kernels._CONFIG, first. fast: the plain-tile test
 # (_block_params), which spares a plain tile's codes the select and the multiply by p. The
-# defaults before the H200 sweep of 2026-12-06 (quantize4 1024/1 without the test, reduce
+# defaults before the H200 sweep of 2026-12-06 (quantize4 1024/1 without the test, reduce4
 # 2048/2) stay in the list, so every sweep times them beside today's.
 SHAPES = {"quantize4": [None, (1024, 1, False), (2048, 1, True), (2048, 1, False),
                         (4096, 1, True), (4096, 2, True), (2048, 2, True), (8192, 4, True)],
-          "reduce": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
+          "reduce4": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
 
 
 def _tuning(shape):
@@ -119,7 +119,7 @@ def run(numel: int, json_path=None) -> dict:
     scales = torch.stack([s for _, s in parts])
     del parts
     nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
-    sweep("reduce", (pieces + 1) * (nbytes + 4 * nblocks),
+    sweep("reduce4", (pieces + 1) * (nbytes + 4 * nblocks),
           lambda k, t: tk.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k, **t),
           lambda k: qref.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k),
           row_keys(key, [0], device=device))
