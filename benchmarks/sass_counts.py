@@ -14,9 +14,9 @@ unpacked somewhere other than the project's environment, e.g.::
 
 ``--mode``: ``nonplain`` compiles the general path only (the INT8 quantize's default: no
 plain-tile test); ``plain`` replaces the plain-tile test by "always plain", which is the path a
-finite, normal tile takes in the kernels that test (the dequantize-reduce-requantize), without
-the test's own cost; ``default`` compiles the kernels as they are (both paths where there is a
-test, so the static count overstates what runs).
+finite, normal tile takes in the kernels that test (the dequantize-reduce-requantize and the
+INT4 quantize), without the test's own cost; ``default`` compiles the kernels as they are (both
+paths where there is a test, so the static count overstates what runs).
 """
 
 from __future__ import annotations

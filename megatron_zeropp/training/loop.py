@@ -51,9 +51,13 @@ from .profiling import IterationProfiler
 from .run_control import BatchRamp, ExitClock, ManualGC, SignalExit, params_norm
 
 
-def _log(*parts) -> None:
+def _logs_here() -> bool:
     # Megatron-LM prints training lines from the last rank, which holds the loss under PP.
-    if dist.get_rank() == dist.get_world_size() - 1:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _log(*parts) -> None:
+    if _logs_here():
         print(*parts, flush=True)
 
 
@@ -221,15 +225,21 @@ def _load(args, load_iteration, chunks, optimizer, scheduler):
         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, finetune=finetune)
     _log(f"> loaded checkpoint of iteration {iteration} from {args.load}"
          + (" (--finetune: weights only, starting at iteration 0)" if finetune else ""))
+    if _logs_here():  # only the rank that prints reads the stored arguments again
+        _log_changed_flags(args, load_iteration)
+    return (0, 0) if finetune else (iteration, consumed)
+
+
+def _log_changed_flags(args, load_iteration) -> None:
+    """Name the ZeRO++ flags this run sets otherwise than the run that saved the checkpoint."""
     try:
         saved = _saved_args(args.load, load_iteration)
     except ValueError:  # the checkpoint stores no arguments: nothing to compare with
-        saved = {}
+        return
     changed = changed_flags(saved, args)
     if changed:
         _log("> ZeRO++ flags differ from the run that saved it (this run's apply): "
              + "; ".join(changed))
-    return (0, 0) if finetune else (iteration, consumed)
 
 
 def pretrain(argv: Optional[List[str]] = None, on_iteration: Optional[Callable] = None) -> dict:
