@@ -25,6 +25,23 @@ def test_results_come_back_per_rank():
     assert out == [(6.0, 0), (6.0, 0), (6.0, 1), (6.0, 1)]
 
 
+def _loaded(ctx, names):
+    import sys
+
+    return [n in sys.modules for n in names]
+
+
+def test_workers_start_with_the_preloaded_modules_imported():
+    # A preload the forkserver could not import is skipped silently (multiprocessing drops its
+    # ImportError), and every worker then pays the import again: the suite only gets slower.
+    from megatron_zeropp.simulated_nodes import _PRELOAD
+
+    # control: a module of the package that nothing preloaded imports
+    names = list(_PRELOAD) + ["megatron_zeropp.training.convert"]
+    out = run_distributed(_loaded, nodes=1, ranks_per_node=2, args=(names,))
+    assert out == [[True] * len(_PRELOAD) + [False]] * 2
+
+
 def _raise_on_rank_one(ctx):
     if ctx.rank == 1:
         raise KeyError("deliberate")
