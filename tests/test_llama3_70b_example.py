@@ -86,8 +86,8 @@ def _train_and_measure(ctx, argv):
 def test_cpu_example_trains_and_matches_the_memory_tool(tmp_path):
     argv = example_args() + SHORT + ["--save", str(tmp_path / "ckpt")]
     assert "--num-virtual-stages-per-pipeline-rank" in argv
-    # 8 ranks on 2 cores, the checkpoint's fsync'd writes included: 102 s with SHORT on an
-    # AVX2-only CPU (2026-12-07), 30-70 s with the full vocabulary on the CPUs CI ran on before.
+    # 8 ranks on 2 cores, the checkpoint's fsync'd writes included (SHORT's time: its
+    # docstring); 30-70 s with the full vocabulary on the CPUs CI ran on before.
     # Past the limit the error carries every rank's stack.
     results = run_distributed(_train_and_measure, 2, 4, args=(argv,), timeout=420)
     last = results[-1]
