@@ -43,8 +43,8 @@ from .topology import Topology, build_topology
 # DDP and schedules, and this project's training stack (which pulls in the sharding layer,
 # comm and quant) and data path. Imported once in the forkserver, they cost a worker nothing;
 # imported by each worker they took ~0.4 s of CPU per rank, and the README's test command's
-# pytest ran 875 s instead of 713 s on 2 cores (2026-12-07). Only modules whose import reads
-# no environment variable that a run's ``env`` could set, as ``env`` is applied after the fork.
+# pytest ran 875 s instead of 713 s on 2 cores (2026-12-07). ``env`` is applied after the fork,
+# so what these imports read from the environment is the forkserver's (run_distributed says so).
 _PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
             "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
             "megatron.core.pipeline_parallel", "megatron_zeropp.training.loop",
@@ -172,7 +172,10 @@ def run_distributed(
 
     Returns the per-rank results (index = rank). ``timeout`` bounds the whole run;
     ``collective_timeout`` (default: ``timeout``) is gloo's per-collective timeout, so a rank stuck
-    in a collective raises instead of waiting for the kill. ``env`` is applied in each worker.
+    in a collective raises instead of waiting for the kill. ``env`` is applied in each worker,
+    after the fork: a variable read at import by a preloaded module (``TRITON_INTERPRET``, read
+    by Triton's decorators, which the training stack imports) must be set in this process
+    before its first run instead.
     """
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"nodes and ranks_per_node must be >= 1, got {nodes} x {ranks_per_node}")
