@@ -12,13 +12,20 @@ copy bandwidth on a card where the kernel is bound by issue (the H200), while tw
 kernel on two cards of one model differ by up to half a point (docs/benchmarks.md, the tile
 sweeps). So the two versions run in one process on one card, ``--rounds`` times each in turn.
 
+An H100 limited to 72 % of its SMs stands in for an H200 (the same bytes of memory bandwidth
+per SM; the tile sweep there ranks shapes as the H200 did, 1-4 points higher; docs/benchmarks.md,
+"An H200's stand-in")::
+
+    . benchmarks/_mps.sh; mps_start
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=72 PYTHONPATH=$PWD python benchmarks/ab_kernels.py ...
+
 ``--prev`` is loaded as a module of the package ``megatron_zeropp.quant``, so its relative
 imports take today's ``triton_rounding`` and references: the file must be a version that
 imports what today's package has (a kernel change, not a package change).
 
 Kernels (bf16 inputs, block 256, 8 pieces of ``--numel`` elements each, their default tiles):
-INT4 -> INT4 (``reduce4``, qgZ with ``--zeropp-qgz-inter-bits 4``) and INT4 -> INT8
-(``reduce``, qgZ's default since 2026-12-06), each with round-to-nearest and stochastic
+INT4 -> INT4 (qgZ with ``--zeropp-qgz-inter-bits 4``) and INT4 -> INT8 (qgZ's default since
+2026-12-06), each with round-to-nearest and stochastic
 rounding. Both versions' outputs must be bit-identical to each other, and the stochastic ones to
 the reference. GB/s counts the bytes each kernel must read and write, as ``sweep_int4_tiles.py``
 does; the last columns are the fraction of the copy bandwidth measured in the same run, per round.

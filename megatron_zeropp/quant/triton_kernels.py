@@ -66,10 +66,11 @@ from .triton_rounding import (
 # block. FAST: test each tile for the plain case (see _block_params). quantize4 (INT4, the
 # word layout of _quantize_words): one warp of 4 blocks, so that no block spans two warps;
 # with the test its stochastic rounding ran at 93.7 % of an H200's copy bandwidth against
-# 87.9 % without (sweep_int4_tiles.py, 2026-12-06). reduce4 (INT4 in, INT4 out): 4096 on 4
-# warps (the same 32 per thread in smaller programs) ran 2 points faster than 2048 on 2 on
-# both an H200 and an H100; reduce (any other requantize) keeps 2048 on 2: the sweep timed
-# INT4 to INT4 only.
+# 87.9 % without (sweep_int4_tiles.py, 2026-12-06). reduce4 (INT4 in, requantized to INT4 or
+# INT8): 4096 on 4 warps (the same 32 per thread in smaller programs) ran 2 points faster than
+# 2048 on 2 on both an H200 and an H100 for INT4 out; for INT8 out, qgZ's default since
+# 2026-12-06, 1-3 % faster than 2048 on 2 on an H100 whole and on 72 % of its SMs, the H200's
+# stand-in (ab_kernels.py, 2026-12-07). reduce (INT8 in, requantized) keeps 2048 on 2.
 _CONFIG = {"quantize": (2048, 2, False), "quantize4": (1024, 1, True),
            "dequantize": (2048, 4, False), "reduce": (2048, 2, True),
            "reduce4": (4096, 4, True), "reduce_cast": (1024, 2, True)}
@@ -744,7 +745,7 @@ def dequantize_reduce(
     if rows > 0 and numel > 0:
         _check_row_length(numel)
         kind = ("reduce_cast" if out_bits is None
-                else "reduce4" if bits == out_bits == 4 else "reduce")
+                else "reduce4" if bits == 4 else "reduce")
         tile, num_warps, fast = _config(kind, max(block_size, out_block_size), tuning)
         grid, rows_first = _grid(rows, -(-numel // tile))
         keys, stochastic = _keys_arg(out_row_keys if out_bits else None, rows, device,
