@@ -13,8 +13,8 @@ kernel on two cards of one model differ by up to half a point (docs/benchmarks.m
 sweeps). So the two versions run in one process on one card, ``--rounds`` times each in turn.
 
 An H100 limited to 72 % of its SMs stands in for an H200 (the same bytes of memory bandwidth
-per SM; the tile sweep there ranks shapes as the H200 did, 1-4 points higher; docs/benchmarks.md,
-"An H200's stand-in")::
+per SM; the tile sweep there orders shapes as the H200 did and reads ~2 points higher;
+docs/benchmarks.md, "An H200's stand-in")::
 
     . benchmarks/_mps.sh; mps_start
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=72 PYTHONPATH=$PWD python benchmarks/ab_kernels.py ...
@@ -25,15 +25,16 @@ imports what today's package has (a kernel change, not a package change).
 
 Kernels (bf16 inputs, block 256, 8 pieces of ``--numel`` elements each, their default tiles):
 INT4 -> INT4 (qgZ with ``--zeropp-qgz-inter-bits 4``) and INT4 -> INT8 (qgZ's default since
-2026-12-06), each with round-to-nearest and stochastic
-rounding. Both versions' outputs must be bit-identical to each other, and the stochastic ones to
-the reference. GB/s counts the bytes each kernel must read and write, as ``sweep_int4_tiles.py``
-does; the last columns are the fraction of the copy bandwidth measured in the same run, per round.
+2026-12-06), each with round-to-nearest and stochastic rounding. Both versions' outputs must be
+bit-identical to each other, and the stochastic ones to the reference. GB/s counts the bytes each
+kernel must read and write, as ``sweep_int4_tiles.py`` does, against the median of the copy
+bandwidths measured at the start of each round. The JSON names both sources by SHA-256.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.util
 import json
 import os
@@ -65,6 +66,11 @@ def load_prev(path: str):
     return module
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def run(numel: int, prev_path: str, rounds: int, json_path=None) -> dict:
     device = bench_kernels.DEVICE
     prev = load_prev(prev_path)
@@ -72,6 +78,7 @@ def run(numel: int, prev_path: str, rounds: int, json_path=None) -> dict:
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
            "numel": numel, "prev": os.path.abspath(prev_path), "rounds": rounds,
+           "sha256": {v: _sha256(m.__file__) for v, m in versions.items()},
            "copy_GB/s": [], "rows": []}
     parts = [tk.quantize_chunks(random_input(numel, torch.bfloat16, seed=10 + p).view(1, -1), 4,
                                 BS) for p in range(PIECES)]

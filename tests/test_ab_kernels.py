@@ -32,6 +32,8 @@ def test_both_versions_run_every_kernel_and_match(tmp_path):
     assert {(r["kernel"], r["rounding"]) for r in out["rows"]} == {
         (k, r) for k in ("INT4 -> INT4", "INT4 -> INT8") for r in ("nearest", "stochastic")}
     assert all(len(r[v]["ms"]) == 1 for r in out["rows"] for v in ("prev", "new"))
+    # the same source under two names: one hash
+    assert out["sha256"]["prev"] == out["sha256"]["new"]
 
 
 @pytest.mark.slow
