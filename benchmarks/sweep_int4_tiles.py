@@ -13,10 +13,12 @@ bound by issue with stochastic rounding on an H200. Registers rise from 61 to 96
 Only a measurement says whether the lower occupancy costs more than that; the H200 of
 2026-12-06 gave 91.1 % of copy bandwidth at 2048/1 and 93.7 % at 1024/1 with the plain-tile
 test, against 87.9 % at 1024/1 without it, and that became the default (docs/benchmarks.md,
-"Tile shapes on an H200"). Every output of every
-shape is compared bit for bit with the default shape's, whose own output is compared with the
-reference (``qgz_reference``); the tile shape must not change a bit. Rows go to ``--json`` as
-they come, so a run cut short keeps what it measured.
+"Tile shapes on an H200"). The kernels: the INT4 swizzled quantize 2x4 (``quantize4``), the INT4
+dequantize-reduce-requantize 8 -> 1 to INT4 (``reduce4``) and to INT8 (``reduce4to8``, qgZ's
+default path since 2026-12-06, swept since 2026-12-07). Every output of every shape is compared
+bit for bit with the default shape's, whose own output is compared with the reference
+(``qgz_reference``); the tile shape must not change a bit. Rows go to ``--json`` as they come,
+so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 # 2048/2) stay in the list, so every sweep times them beside today's.
 SHAPES = {"quantize4": [None, (1024, 1, False), (2048, 1, True), (2048, 1, False),
                         (4096, 1, True), (4096, 2, True), (2048, 2, True), (8192, 4, True)],
-          "reduce4": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
+          "reduce4": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)],
+          "reduce4to8": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
+# reduce4 requantizes INT4 to INT4 (qgZ with --zeropp-qgz-inter-bits 4), reduce4to8 INT4 to INT8
+# (qgZ's default since 2026-12-06); both take _CONFIG's "reduce4" (every INT4 input requantized).
+CONFIG_KIND = {"quantize4": "quantize4", "reduce4": "reduce4", "reduce4to8": "reduce4"}
 
 
 def _tuning(shape):
@@ -65,7 +71,7 @@ def run(numel: int, json_path=None) -> dict:
     device = bench_kernels.DEVICE
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
-           "numel": numel, "defaults": {k: list(tk._CONFIG[k]) for k in SHAPES},
+           "numel": numel, "defaults": {k: list(tk._CONFIG[CONFIG_KIND[k]]) for k in SHAPES},
            "copy_GB/s": copy_bandwidth(2 * numel), "rows": []}
 
     def add(kernel, rounding, shape, moved, fn, check):
@@ -122,6 +128,11 @@ def run(numel: int, json_path=None) -> dict:
     sweep("reduce4", (pieces + 1) * (nbytes + 4 * nblocks),
           lambda k, t: tk.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k, **t),
           lambda k: qref.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k),
+          row_keys(key, [0], device=device))
+    nbytes8, _ = ref.quantized_sizes(numel, 8, BS)
+    sweep("reduce4to8", pieces * (nbytes + 4 * nblocks) + nbytes8 + 4 * nblocks,
+          lambda k, t: tk.dequantize_reduce(data, scales, 4, BS, numel, 8, out_row_keys=k, **t),
+          lambda k: qref.dequantize_reduce(data, scales, 4, BS, numel, 8, out_row_keys=k),
           row_keys(key, [0], device=device))
     return out
 
