@@ -46,10 +46,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_kernels  # noqa: E402
-from bench_kernels import BS, assert_same, bench, copy_bandwidth, random_input  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    BS,
+    assert_same,
+    bench,
+    copy_bandwidth,
+    reduce_bytes,
+    reduce_input,
+)
 
 from megatron_zeropp.quant import qgz_reference as qref  # noqa: E402
-from megatron_zeropp.quant import reference as ref  # noqa: E402
 from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
 from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 
@@ -80,17 +86,11 @@ def run(numel: int, prev_path: str, rounds: int, json_path=None) -> dict:
            "numel": numel, "prev": os.path.abspath(prev_path), "rounds": rounds,
            "sha256": {v: _sha256(m.__file__) for v, m in versions.items()},
            "copy_GB/s": [], "rows": []}
-    parts = [tk.quantize_chunks(random_input(numel, torch.bfloat16, seed=10 + p).view(1, -1), 4,
-                                BS) for p in range(PIECES)]
-    data = torch.stack([d for d, _ in parts])
-    scales = torch.stack([s for _, s in parts])
-    del parts
+    data, scales = reduce_input(numel, torch.bfloat16, PIECES)
     keys = row_keys(derive_key(1234, 7, 0, 3), [0], device=device)
-    nbytes4, nblocks = ref.quantized_sizes(numel, 4, BS)
     cases = []
     for out_bits in (4, 8):
-        nbytes_out, _ = ref.quantized_sizes(numel, out_bits, BS)
-        moved = PIECES * (nbytes4 + 4 * nblocks) + nbytes_out + 4 * nblocks
+        moved = reduce_bytes(numel, PIECES, out_bits)
         for rounding, k in (("nearest", None), ("stochastic", keys)):
             calls = {v: (lambda m=m, b=out_bits, k=k:
                          m.dequantize_reduce(data, scales, 4, BS, numel, b, out_row_keys=k))

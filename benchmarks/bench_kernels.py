@@ -116,6 +116,23 @@ def quant_bytes(numel, bits, dtype_bytes):
     return numel * dtype_bytes + nbytes + 4 * nblocks
 
 
+def reduce_input(numel: int, dtype: torch.dtype, pieces: int = 8):
+    """The INT4 dequantize-reduce's input as qgZ's first hop leaves it: ``pieces`` rows of
+    ``numel`` values (:func:`random_input`, seeds 10, 11, ...), each INT4-quantized by the Triton
+    kernel; returns ``(data, scales)`` of shape ``[pieces, 1, ...]``."""
+    parts = [tk.quantize_chunks(random_input(numel, dtype, seed=10 + p).view(1, -1), 4, BS)
+             for p in range(pieces)]
+    return torch.stack([d for d, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def reduce_bytes(numel: int, pieces: int, out_bits: int) -> int:
+    """Bytes the INT4 dequantize-reduce-requantize must move: ``pieces`` INT4 rows in (codes and
+    fp32 scales) and one row out at ``out_bits``."""
+    nbytes4, nblocks = ref.quantized_sizes(numel, 4, BS)
+    nbytes_out, nblocks_out = ref.quantized_sizes(numel, out_bits, BS)
+    return pieces * (nbytes4 + 4 * nblocks) + nbytes_out + 4 * nblocks_out
+
+
 def edge_cases():
     """Small adversarial inputs: Triton == reference (GPU) == reference (CPU)."""
     cases = 0
@@ -252,16 +269,9 @@ def run_dtype(table, numel, dtype, naive):
 
     # INT4 dequantize-reduce-requantize, 8 pieces of one row -> 1 row
     pieces = 8
-    data, scales = [], []
-    for p in range(pieces):
-        d, s = tk.quantize_chunks(random_input(numel, dtype, seed=10 + p).view(1, -1), 4, BS)
-        data.append(d)
-        scales.append(s)
-    data = torch.stack(data)
-    scales = torch.stack(scales)
+    data, scales = reduce_input(numel, dtype, pieces)
     del x, x2d
-    nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
-    moved = (pieces + 1) * (nbytes + 4 * nblocks)
+    moved = reduce_bytes(numel, pieces, 4)
     want = qref.dequantize_reduce(data, scales, 4, BS, numel, 4)
     assert_same(tk.dequantize_reduce(data, scales, 4, BS, numel, 4), want, "drr int4")
     table.add("INT4 dequant-reduce-requant (8 -> 1)", dtype, moved,
@@ -270,6 +280,7 @@ def run_dtype(table, numel, dtype, naive):
               bench(partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4)), "bit-identical")
     del want
     # last hop: dequantize-reduce to the input dtype
+    nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
     moved = pieces * (nbytes + 4 * nblocks) + numel * dbytes
     assert_same(tk.dequantize_reduce(data, scales, 4, BS, numel, None, None, dtype),
                 qref.dequantize_reduce(data, scales, 4, BS, numel, None, None, dtype),

@@ -33,6 +33,8 @@ from bench_kernels import (  # noqa: E402
     copy_bandwidth,
     quant_bytes,
     random_input,
+    reduce_bytes,
+    reduce_input,
 )
 
 from megatron_zeropp.quant import qgz_reference as qref  # noqa: E402
@@ -104,13 +106,8 @@ def run(numel: int) -> dict:
     del x, x2d, fresh
 
     pieces = 8
-    parts = [tk.quantize_chunks(random_input(numel, dtype, seed=10 + p).view(1, -1), 4, BS)
-             for p in range(pieces)]
-    data = torch.stack([d for d, _ in parts])
-    scales = torch.stack([s for _, s in parts])
-    del parts
-    nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
-    moved = (pieces + 1) * (nbytes + 4 * nblocks)
+    data, scales = reduce_input(numel, dtype, pieces)
+    moved = reduce_bytes(numel, pieces, 4)
     add("INT4 dequant-reduce-requant 8->1, nearest", moved,
         bench(partial(tk.dequantize_reduce, data, scales, 4, BS, numel, 4)), "-")
     assert_same(tk.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k1),

@@ -34,10 +34,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_kernels  # noqa: E402
-from bench_kernels import BS, assert_same, bench, copy_bandwidth, quant_bytes, random_input  # noqa: E402,E501
+from bench_kernels import (  # noqa: E402
+    BS,
+    assert_same,
+    bench,
+    copy_bandwidth,
+    quant_bytes,
+    random_input,
+    reduce_bytes,
+    reduce_input,
+)
 
 from megatron_zeropp.quant import qgz_reference as qref  # noqa: E402
-from megatron_zeropp.quant import reference as ref  # noqa: E402
 from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
 from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 
@@ -51,8 +59,9 @@ SHAPES = {"quantize4": [None, (1024, 1, False), (2048, 1, True), (2048, 1, False
           "reduce4": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)],
           "reduce4to8": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
 # reduce4 requantizes INT4 to INT4 (qgZ with --zeropp-qgz-inter-bits 4), reduce4to8 INT4 to INT8
-# (qgZ's default since 2026-12-06); both take _CONFIG's "reduce4" (every INT4 input requantized).
-CONFIG_KIND = {"quantize4": "quantize4", "reduce4": "reduce4", "reduce4to8": "reduce4"}
+# (qgZ's default since 2026-12-06); the _CONFIG entry each launches with:
+CONFIG_KIND = {"quantize4": "quantize4", "reduce4": tk._reduce_kind(4, 4),
+               "reduce4to8": tk._reduce_kind(4, 8)}
 
 
 def _tuning(shape):
@@ -119,18 +128,12 @@ def run(numel: int, json_path=None) -> dict:
           row_keys(key, range(8), device=device))
 
     pieces = 8
-    parts = [tk.quantize_chunks(random_input(numel, torch.bfloat16, seed=10 + p).view(1, -1), 4,
-                                BS) for p in range(pieces)]
-    data = torch.stack([d for d, _ in parts])
-    scales = torch.stack([s for _, s in parts])
-    del parts
-    nbytes, nblocks = ref.quantized_sizes(numel, 4, BS)
-    sweep("reduce4", (pieces + 1) * (nbytes + 4 * nblocks),
+    data, scales = reduce_input(numel, torch.bfloat16, pieces)
+    sweep("reduce4", reduce_bytes(numel, pieces, 4),
           lambda k, t: tk.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k, **t),
           lambda k: qref.dequantize_reduce(data, scales, 4, BS, numel, 4, out_row_keys=k),
           row_keys(key, [0], device=device))
-    nbytes8, _ = ref.quantized_sizes(numel, 8, BS)
-    sweep("reduce4to8", pieces * (nbytes + 4 * nblocks) + nbytes8 + 4 * nblocks,
+    sweep("reduce4to8", reduce_bytes(numel, pieces, 8),
           lambda k, t: tk.dequantize_reduce(data, scales, 4, BS, numel, 8, out_row_keys=k, **t),
           lambda k: qref.dequantize_reduce(data, scales, 4, BS, numel, 8, out_row_keys=k),
           row_keys(key, [0], device=device))

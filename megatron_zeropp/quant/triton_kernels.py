@@ -613,6 +613,12 @@ def _config(kind: str, block_size: int, tuning: dict) -> Tuple[int, int, bool]:
     return max(tile, block_size), tuning.get("num_warps", num_warps), tuning.get("fast", fast)
 
 
+def _reduce_kind(bits: int, out_bits: Optional[int]) -> str:
+    """The _CONFIG entry of a dequantize-reduce of ``bits`` input to ``out_bits`` (None: a
+    float dtype)."""
+    return "reduce_cast" if out_bits is None else "reduce4" if bits == 4 else "reduce"
+
+
 def _grid(rows: int, tiles_per_row: int) -> Tuple[Tuple[int, int], bool]:
     """2-D launch grid; the larger extent goes on axis 0 (grid axis 1 stops at 65535)."""
     if tiles_per_row <= _MAX_GRID_DIM1:
@@ -744,9 +750,8 @@ def dequantize_reduce(
         out = out_data  # unused by the kernel
     if rows > 0 and numel > 0:
         _check_row_length(numel)
-        kind = ("reduce_cast" if out_bits is None
-                else "reduce4" if bits == 4 else "reduce")
-        tile, num_warps, fast = _config(kind, max(block_size, out_block_size), tuning)
+        tile, num_warps, fast = _config(_reduce_kind(bits, out_bits),
+                                        max(block_size, out_block_size), tuning)
         grid, rows_first = _grid(rows, -(-numel // tile))
         keys, stochastic = _keys_arg(out_row_keys if out_bits else None, rows, device,
                                      out_scales)
