@@ -17,6 +17,11 @@
 # RECHECK=0 skips them; verdicts, one per line, in OUT/rechecks.jsonl); if one differs it
 # queues nothing. A seed with nothing recorded (a new seed, a new model) has nothing to rerun.
 # If this model can run nothing of STUDIES, it exits with code 4 before queueing.
+# CROSS="350m/zero3@seed1235 ..." first reruns those recorded jobs (100 iterations, through a
+# validation) whatever model they ran on; a verdict that this model logged a record of another
+# model's identically lets the plan give it that record's seed (lab_study_report's recheck
+# line says which; lab_lease_plan.bridged_seeds), one that differs is reported and queues
+# nothing of that seed. A job rerun here is not rerun again before the queue.
 # With CHECKS=1 it first measures the 125M lab speed at micro-batch size MBS (default 8) beside
 # one process (lab_profile.py, ZeRO-3, 10 iterations); if that run fails (memory), the study runs
 # at micro-batch size 4 and lease.txt says so (MBS with one study only).
@@ -34,7 +39,7 @@
 # runs/lab_data.tar.xz (tools/build_debian_corpus.py --pack).
 # SEEDS="1235 1236" plans only those seeds' jobs (one study only).
 # ALL3_ITERS (default 30) sets the all3 recheck's iterations (a rehearsal's smoke study runs 20).
-# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [SEEDS=...] [SCRATCH=/tmp] [ALL3_ITERS=30] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDIES JOBS WAIT_MINUTES
+# Usage: [CHECKS=1] [MBS=8] [MPS=1] [RECHECK=1] [CROSS=...] [SEEDS=...] [SCRATCH=/tmp] [ALL3_ITERS=30] bash benchmarks/gpu_lab_lease.sh OUT COMMIT STUDIES JOBS WAIT_MINUTES
 set -uo pipefail
 OUT=${1:?output directory}
 COMMIT=${2:?commit the jobs run}
@@ -49,38 +54,18 @@ export PYTHONPATH=$S/site:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   date -u '+%Y-%m-%d %H:%M:%S UTC'; } > "$LOG"
 mkdir -p "$S/lab_data" && tar xJf runs/lab_data.tar.xz -C "$S/lab_data" || exit 1
-# shellcheck disable=SC2086  # one word per study
-python3 benchmarks/lab_study.py plan --study $STUDIES --results docs/lab_study/results.jsonl \
-    ${SEEDS:+--seeds $SEEDS} --shell > "$S/plan.sh" 2> "$S/plan.txt"
-planned=$?
-tee -a "$LOG" < "$S/plan.txt"  # its reasons, or why it failed
-[ "$planned" = 0 ] || exit 1
-# shellcheck source=/dev/null
-. "$S/plan.sh"
-if [ -z "$PLAN_JOBS" ]; then
-    echo "[lease] nothing of $STUDIES to run on this GPU model: no job queued" | tee -a "$LOG"
-    exit 4
-fi
-if [ "${MPS:-1}" = 1 ]; then
-    # shellcheck source=benchmarks/_mps.sh
-    . benchmarks/_mps.sh
-    mps_start >> "$LOG"  # not in a pipe: its exports reach the queue runner
-fi
-if [ "${CHECKS:-0}" = 1 ]; then
-    mkdir -p "$S/checks"
-    if python3 benchmarks/lab_profile.py --out "$S/checks/lab_speed_mbs${MBS:-8}.json" \
-            --model 125m --configs zero3 --runs one lab-shared --iters 10 \
-            --micro-batch-size "${MBS:-8}" > "$S/checks.txt" 2>&1; then
-        cp "$S/checks/lab_speed_mbs${MBS:-8}.json" "$OUT/"
-    else
-        echo "[lease] the speed check at micro-batch ${MBS:-8} failed: the study runs at 4" \
-            >> "$S/checks.txt"
-        MBS=4
+mps=0
+mps_once() {  # the MPS daemon (MPS=1), started once, before the first rerun or job
+    if [ "${MPS:-1}" = 1 ] && [ "$mps" = 0 ]; then
+        # shellcheck source=benchmarks/_mps.sh
+        . benchmarks/_mps.sh
+        mps_start >> "$LOG"  # not in a pipe: its exports reach the queue runner
+        mps=1
     fi
-    tail -5 "$S/checks.txt"
-    cat "$S/checks.txt" >> "$LOG"
-fi
+}
+passed=" "  # jobs rerun identically in this lease
 recheck() {  # recheck NAME JOB [ARGS...]: lab_study.py recheck; exits unless it passes
+    # (CROSS_RECHECK=1: reports and returns)
     local name=$1 job=$2 rc
     shift 2
     rm -rf "$S/recheck_$name"  # no earlier verdict is copied for this one
@@ -95,12 +80,53 @@ recheck() {  # recheck NAME JOB [ARGS...]: lab_study.py recheck; exits unless it
     fi
     tail -3 "$S/recheck_$name.txt"
     cat "$S/recheck_$name.txt" >> "$LOG"
-    if [ "$rc" != 0 ]; then
+    if [ "$rc" = 0 ]; then
+        passed="$passed$job "
+    elif [ "${CROSS_RECHECK:-0}" = 1 ]; then
+        echo "[lease] the cross-model recheck ($name: $job) did not pass (exit code $rc):" \
+            "its seed stays on the model of its records" | tee -a "$LOG"
+    else
         echo "[lease] the recheck ($name: $job) did not pass (exit code $rc): no job queued;" \
             "RECHECK=0 queues" | tee -a "$LOG"
         exit "$rc"
     fi
 }
+if [ -n "${CROSS:-}" ]; then
+    mps_once
+    n=0
+    for job in $CROSS; do
+        n=$((n + 1))
+        CROSS_RECHECK=1 recheck "cross$n" "$job"
+    done
+fi
+# shellcheck disable=SC2086  # one word per study
+python3 benchmarks/lab_study.py plan --study $STUDIES --results docs/lab_study/results.jsonl \
+    ${SEEDS:+--seeds $SEEDS} --rechecks "$OUT/rechecks.jsonl" --shell > "$S/plan.sh" \
+    2> "$S/plan.txt"
+planned=$?
+tee -a "$LOG" < "$S/plan.txt"  # its reasons, or why it failed
+[ "$planned" = 0 ] || exit 1
+# shellcheck source=/dev/null
+. "$S/plan.sh"
+if [ -z "$PLAN_JOBS" ]; then
+    echo "[lease] nothing of $STUDIES to run on this GPU model: no job queued" | tee -a "$LOG"
+    exit 4
+fi
+mps_once
+if [ "${CHECKS:-0}" = 1 ]; then
+    mkdir -p "$S/checks"
+    if python3 benchmarks/lab_profile.py --out "$S/checks/lab_speed_mbs${MBS:-8}.json" \
+            --model 125m --configs zero3 --runs one lab-shared --iters 10 \
+            --micro-batch-size "${MBS:-8}" > "$S/checks.txt" 2>&1; then
+        cp "$S/checks/lab_speed_mbs${MBS:-8}.json" "$OUT/"
+    else
+        echo "[lease] the speed check at micro-batch ${MBS:-8} failed: the study runs at 4" \
+            >> "$S/checks.txt"
+        MBS=4
+    fi
+    tail -5 "$S/checks.txt"
+    cat "$S/checks.txt" >> "$LOG"
+fi
 if [ "${RECHECK:-1}" = 1 ]; then
     # A rerun of the first recorded job of each seed queued (100 iterations, ~1 minute each):
     # this machine and commit must log its numbers, or the seed's jobs below would not pair
@@ -108,6 +134,7 @@ if [ "${RECHECK:-1}" = 1 ]; then
     n=0
     for job in $PLAN_RECHECKS; do
         n=$((n + 1))
+        case "$passed" in *" $job "*) continue ;; esac  # rerun above (CROSS)
         recheck "seed$n" "$job"
     done
     [ "$n" -gt 0 ] || echo "[lease] recheck: no seed queued has a record to rerun" | tee -a "$LOG"

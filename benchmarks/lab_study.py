@@ -26,8 +26,9 @@ Every job evaluates twice, with the weights its forward gathers and with the exa
 (:data:`EVAL_WEIGHTS`), and jobs with qgZ or qwZ log those switches' per-layer errors
 (:func:`diagnostic_flags`); ``table`` adds the exact weights' gaps and the layers' errors.
 
-A lease runs what ``plan`` gives for its GPU model (a seed's jobs all on the model of its
-first job; several studies one after the other) and first reruns the first 100 iterations of
+A lease runs what ``plan`` gives for its GPU model (``lab_lease_plan.py``: a seed's jobs all on
+the model of its first job, unless this model has reproduced a record of the seed's made on
+another; several studies one after the other) and first reruns the first 100 iterations of
 the first recorded job of each seed it queues (``recheck``): its jobs pair with jobs of earlier
 leases, which ran at other commits, so it checks that this machine and commit log the same
 numbers; ``record --rechecks`` keeps the verdicts beside the results (``rechecks.jsonl``) and
@@ -51,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -60,6 +61,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import _convergence_gpu as G  # noqa: E402
 import convergence_lab as L  # noqa: E402
 from gpu_shaped import COMMON_ENV, _free_port  # noqa: E402
+from lab_lease_plan import (  # noqa: E402
+    RECHECK_ITERS,
+    lease_plans,
+    pending,
+    read_results,
+    read_verdicts,
+    recheck_key,
+)
 from lab_studies import (  # noqa: E402
     CONFIGS,
     EVAL_WEIGHTS,
@@ -74,7 +83,6 @@ from lab_studies import (  # noqa: E402
     study_named,
 )
 from lab_study_report import (  # noqa: E402
-    all3_verdict,
     as_results,
     device_notes,
     exact_weights,
@@ -90,8 +98,6 @@ from lab_study_report import (  # noqa: E402
     training_gaps,
 )
 from numerics_lab import lab_command  # noqa: E402
-
-RECHECK_ITERS = 100  # a lease's recheck: ~1 minute at 125M
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,51 +148,6 @@ def job_flags(study: Study, config: str, seed: int, data_dir: str, job_dir: str,
         "--zeropp-eval-weights", EVAL_WEIGHTS,
     ] + list(study.pinned) + list(CONFIGS[config]) + diagnostic_flags(
         config, study.eval_interval, job_dir)
-
-
-def read_results(path: str) -> Dict[str, dict]:
-    """{job key: record} of a results file (missing file: none)."""
-    if not os.path.exists(path):
-        return {}
-    out = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                out[r["job"]] = r
-    return out
-
-
-def study_configs(name: str, done: Dict[str, dict]) -> Tuple[str, ...]:
-    """The configurations study ``name`` runs given the records ``done``: its own, then its
-    ``if_missed`` ones once ``done`` holds all3's verdict over every seed and it is MISSED."""
-    study = study_named(name)
-    if not study.if_missed:
-        return study.configs
-    mine = [r for r in done.values() if r["study"] == name]
-    missed = all3_verdict(study_summary(mine), study) == "MISSED"
-    return study.configs + (study.if_missed if missed else ())
-
-
-def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
-            only: Sequence[str] = (), seeds: Sequence[int] = ()) -> List[Tuple[str, int]]:
-    """The jobs of study ``name`` neither recorded in ``done`` nor already ``started``, in run
-    order, seed by seed (limited to the configurations ``only`` and the seeds ``seeds`` if
-    given); its ``if_missed`` configurations join once ``done`` says all3 missed
-    (:func:`study_configs`), after the seeds' own jobs."""
-    study = study_named(name)
-    # a seed or configuration the study does not run would queue nothing, silently
-    for what, given, known in (("seeds", seeds, study.seeds),
-                               ("configurations", only, study.configs + study.if_missed)):
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            raise ValueError(f"{what} {unknown} are not study {name}'s (its {what}: "
-                             f"{list(known)})")
-    configs = study_configs(name, done)
-    jobs = study.jobs() + [(c, s) for c in configs[len(study.configs):] for s in study.seeds]
-    return [(c, s) for c, s in jobs
-            if job_key(name, c, s) not in done and job_key(name, c, s) not in started
-            and (not only or c in only) and (not seeds or s in seeds)]
 
 
 def _read_ledger(run_dir: str) -> Dict[str, dict]:
@@ -464,88 +425,24 @@ def compare_to_record(rec: dict, history: dict, iters: int) -> dict:
             "compared": compared, "first_difference": first, "missing": missing}
 
 
-def recheck_key(results: Dict[str, dict], study: str, job: Optional[str] = None,
-                config: Optional[str] = None, seed: Optional[int] = None,
-                device: Optional[str] = None) -> Optional[str]:
-    """The job a recheck reruns: ``job`` if given (it must be recorded), else the first
-    recorded job of ``study`` (of configuration ``config``, seed ``seed`` and GPU model
-    ``device`` where given); ``None`` if there is none yet."""
-    if job is not None:
-        if config is not None:
-            raise ValueError(f"--job {job} and --config {config}: name one")
-        if job not in results:
-            raise ValueError(f"--job {job} is not in the results (recorded: {sorted(results)})")
-        return job
-    want = {"study": study, "config": config, "seed": seed, "device": device}
-    mine = [k for k, r in results.items()
-            if all(v is None or r[f] == v for f, v in want.items())]
-    return mine[0] if mine else None
-
-
-def lease_plan(results: Dict[str, dict], study: str, device: str,
-               seeds: Sequence[int] = ()) -> dict:
-    """What a lease on GPU model ``device`` runs of ``study`` (of ``seeds`` if given) and
-    what it reruns first. A job pairs with zero3 of its seed bit for bit only on the GPU
-    model that ran that zero3 (the two models' kernels round differently), so a seed with a
-    record from another model is left out (``elsewhere``: seed -> its models);
-    ``all3_verdict``: :func:`all3_verdict` over the study's records. ``rechecks``:
-    the first recorded job of each seed that ``jobs`` hold, in their order (a seed with no
-    record yet has nothing to rerun: its jobs pair among themselves), so that every job queued
-    pairs with a record this machine and commit reproduced; ``recheck_all3``: the study's
-    first ``all3`` recorded on this model (the quantized paths must compute as they did for
-    the seeds before), ``None`` if there is none or nothing is to run."""
-    name = study_named(study)
-    asked = list(seeds) or list(name.seeds)
-    pending(study, {}, {}, seeds=asked)  # a seed the study does not run raises
-    mine = {k: r for k, r in results.items() if r["study"] == study}
-    models: Dict[int, set] = {}
-    for r in mine.values():
-        models.setdefault(r["seed"], set()).add(r["device"])
-    elsewhere = {s: sorted(models[s]) for s in asked if models.get(s, {device}) != {device}}
-    here = [s for s in asked if s not in elsewhere]
-    todo = pending(study, results, {}, seeds=here) if here else []
-    queued_seeds = list(dict.fromkeys(s for _, s in todo))
-    rechecks = [recheck_key(results, study, seed=s) for s in queued_seeds]
-    return {"study": study, "device": device, "seeds": here, "elsewhere": elsewhere,
-            "all3_verdict": all3_verdict(study_summary(list(mine.values())), name),
-            "jobs": [job_key(study, c, s) for c, s in todo],
-            "rechecks": [k for k in rechecks if k is not None],
-            "recheck_all3": (recheck_key(results, study, config="all3", device=device)
-                             if todo else None)}
-
-
-def lease_plans(results: Dict[str, dict], studies: Sequence[str], device: str,
-                seeds: Sequence[int] = ()) -> dict:
-    """:func:`lease_plan` of each of ``studies``, in that order, as one queue: their
-    ``jobs`` and ``rechecks`` one after the other (a lease whose model has nothing left of
-    the first study, or less than a lease's worth, goes on with the next), ``studies`` those
-    with a job, and one ``all3`` recheck: the first of the studies with a job that has an
-    ``all3`` recorded on this model (the quantized kernels are the same code at every size).
-    ``seeds`` only with one study (each study has its own)."""
-    if not studies:
-        raise ValueError("no study to plan")
-    if seeds and len(studies) > 1:
-        raise ValueError(f"--seeds {list(seeds)} with studies {list(studies)}: name one study")
-    plans = [lease_plan(results, s, device, seeds) for s in studies]
-    return {"device": device, "plans": plans,
-            "studies": [p["study"] for p in plans if p["jobs"]],
-            "jobs": [k for p in plans for k in p["jobs"]],
-            "rechecks": [k for p in plans for k in p["rechecks"]],
-            "recheck_all3": next((p["recheck_all3"] for p in plans if p["recheck_all3"]), None)}
-
-
 def plan(args) -> int:
     """Print :func:`lease_plans` for this machine: JSON, or with ``--shell`` the assignments
     ``PLAN_STUDIES``, ``PLAN_JOBS``, ``PLAN_RECHECKS`` and ``PLAN_RECHECK_ALL3`` for a lease
-    script to source (the reasons on stderr)."""
+    script to source (the reasons on stderr). The recheck verdicts it weighs (a seed moves to
+    another GPU model only on them) are the results file's (``rechecks.jsonl`` beside it) and
+    those of ``--rechecks`` files (a lease's own, not recorded yet)."""
+    paths = [rechecks_path(args.results)] + list(args.rechecks)
+    verdicts = [v for path in paths if os.path.exists(path) for v in read_verdicts(path)]
     p = lease_plans(read_results(args.results), args.study, args.device or _device(),
-                    args.seeds)
+                    args.seeds, verdicts)
     why = []
     for one in p["plans"]:
         why += [f"[plan] {one['study']} on {p['device']}: {len(one['jobs'])} job(s) to run, "
                 f"seeds {one['seeds']}"]
         why += [f"[plan] {one['study']}: seed {s} left out: its jobs ran on {', '.join(m)}"
                 for s, m in one["elsewhere"].items()]
+        why += [f"[plan] {one['study']}: seed {s} runs here too: this model reproduced "
+                f"{', '.join(j)} (recorded on another)" for s, j in one["bridged"].items()]
         follow = study_named(one["study"]).if_missed
         if follow:
             verdict = one["all3_verdict"] or "open"
@@ -630,17 +527,6 @@ def _device() -> str:
                               capture_output=True, text=True, timeout=10).stdout.strip() or "cpu"
     except (OSError, subprocess.TimeoutExpired):
         return "cpu"
-
-
-def read_verdicts(path: str) -> List[dict]:
-    """The recheck verdicts of a file: one (``recheck``'s ``recheck.json``) or one per line
-    (a lease's ``rechecks.jsonl``)."""
-    with open(path) as f:
-        text = f.read()
-    try:
-        return [json.loads(text)]
-    except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def record(args) -> int:
@@ -777,6 +663,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     n.add_argument("--results", required=True)
     n.add_argument("--seeds", nargs="*", type=int, default=[])
     n.add_argument("--device", default=None, help="the GPU model (default: nvidia-smi's)")
+    n.add_argument("--rechecks", nargs="*", default=[],
+                   help="recheck verdicts besides the recorded ones (a lease's rechecks.jsonl); "
+                        "a missing file holds none")
     n.add_argument("--shell", action="store_true", help="shell assignments for a lease script")
     t = sub.add_parser("table", help="the study's table (and curves)")
     t.add_argument("--results", required=True)

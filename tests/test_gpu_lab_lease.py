@@ -35,8 +35,15 @@ case "$all" in
   *"lab_study.py recheck"*)
     mkdir -p "$out"
     {"" if verdict else "exit 2  # dies before its verdict"}
-    printf '{{\n "job": "%s",\n "identical": {"false" if fail_recheck else "true"}\n}}\n' "$job" \
-        > "$out/recheck.json"
+    # a verdict as lab_study.py recheck writes it: this GPU, the record's GPU from the results
+    {sys.executable} -c 'import json, sys
+rec = {{}}
+for line in open("docs/lab_study/results.jsonl"):
+    r = json.loads(line)
+    rec = r if r["job"] == sys.argv[1] else rec
+print(json.dumps({{"job": sys.argv[1], "iters": 100, "device": "{GPU}",
+                  "recorded": {{"device": rec.get("device")}},
+                  "identical": {not fail_recheck}}}, indent=1))' "$job" > "$out/recheck.json"
     echo "recheck: stand-in"; exit {3 if fail_recheck else 0} ;;
   *"lab_study.py start"*) echo "queued (stand-in): $all"; exit 0 ;;
   *"lab_study.py poll"*)
@@ -96,6 +103,12 @@ def _lease(tmp_path, fail_recheck=False, preload=0, verdict=True, recorded=SEED_
     return proc, out
 
 
+def _verdicts(out):
+    """(job, identical) of each line of OUT's rechecks.jsonl."""
+    return [(v["job"], v["identical"]) for v in map(json.loads, (out / "rechecks.jsonl")
+                                                    .read_text().splitlines())]
+
+
 def _files(out):
     return sorted(os.path.relpath(os.path.join(d, f), out)
                   for d, _, fs in os.walk(out) for f in fs)
@@ -118,9 +131,7 @@ def test_a_lease_leaves_room_in_out_for_the_calls_own_file(tmp_path, checks):
     assert "[plan] smoke on NVIDIA H100 80GB HBM3" in log  # the real plan's lines
     assert log.count("recheck: stand-in") == 2 and "queued (stand-in)" in log
     # both verdicts, one line each, as record --rechecks reads them
-    assert [json.loads(x) for x in (out / "rechecks.jsonl").read_text().splitlines()] == [
-        {"job": "smoke/zero3@seed1234", "identical": True},
-        {"job": "smoke/all3@seed1234", "identical": True}]
+    assert _verdicts(out) == [("smoke/zero3@seed1234", True), ("smoke/all3@seed1234", True)]
     assert "warning" not in log
     # the scratch files went to SCRATCH, not OUT
     assert (tmp_path / "scratch" / "plan.sh").exists()
@@ -131,8 +142,7 @@ def test_a_failing_recheck_queues_nothing_and_keeps_its_verdict(tmp_path):
     proc, out = _lease(tmp_path, fail_recheck=True)
     assert proc.returncode == 3
     assert _files(out) == ["lease.txt", "rechecks.jsonl"]
-    assert json.loads((out / "rechecks.jsonl").read_text()) == {
-        "job": "smoke/zero3@seed1234", "identical": False}
+    assert _verdicts(out) == [("smoke/zero3@seed1234", False)]
     log = (out / "lease.txt").read_text()
     assert "the recheck (seed1: smoke/zero3@seed1234) did not pass (exit code 3)" in log
     assert "queued (stand-in)" not in log
@@ -192,3 +202,23 @@ def test_a_model_with_nothing_of_the_first_study_runs_the_next(tmp_path):
                                                      ("zero3", 1235, other)])
     assert proc.returncode == 4
     assert "nothing of smoke to run on this GPU model" in (out / "lease.txt").read_text()
+
+
+def test_a_cross_model_recheck_that_passes_moves_its_seed_here(tmp_path):
+    # seed 1235's zero3 ran on an H200; CROSS reruns it on this H100 before the plan
+    zero3 = "smoke/zero3@seed1235"
+    proc, out = _lease(tmp_path, recorded=[("zero3", 1235, "NVIDIA H200")], CROSS=zero3)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _verdicts(out) == [(zero3, True)]  # not rerun again as the seed's recheck
+    log = (out / "lease.txt").read_text()
+    assert f"seed 1235 runs here too: this model reproduced {zero3}" in log
+    assert re.search(r"--keys smoke/zero3@seed1234 .*smoke/all3@seed1235 ", log)
+    # control: the rerun differs, so seed 1235 stays on the H200 and only 1234 queues
+    proc, out = _lease(tmp_path / "differs", recorded=[("zero3", 1235, "NVIDIA H200")],
+                       CROSS=zero3, fail_recheck=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _verdicts(out) == [(zero3, False)]
+    log = (out / "lease.txt").read_text()
+    assert f"the cross-model recheck (cross1: {zero3}) did not pass (exit code 3)" in log
+    assert "seed 1235 left out: its jobs ran on NVIDIA H200" in log
+    assert "@seed1235" not in log.split("queued (stand-in)")[1]

@@ -1,4 +1,5 @@
-"""benchmarks/lab_study.py with its matrix (lab_studies.py) and tables (lab_study_report.py):
+"""benchmarks/lab_study.py with its matrix (lab_studies.py), plan (lab_lease_plan.py) and tables
+(lab_study_report.py):
 which jobs run next, a job's record read from its log, the results file skipping what it holds,
 the study's table of paired gaps and noise floor, a rerun compared with its record; and (slow)
 the smoke study's jobs trained on CPU, recorded and rechecked."""
@@ -15,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 
+import lab_lease_plan as P  # noqa: E402
 import lab_studies as D  # noqa: E402
 import lab_study as S  # noqa: E402
 import lab_study_report as R  # noqa: E402
@@ -23,22 +25,22 @@ import lab_study_report as R  # noqa: E402
 def test_pending_skips_recorded_and_started_jobs_seed_by_seed():
     done = {D.job_key("125m", "zero3", 1234): {}}
     started = {D.job_key("125m", "all3", 1234): {}}
-    todo = S.pending("125m", done, started)
+    todo = P.pending("125m", done, started)
     assert todo[:3] == [("qwz+hpz", 1234), ("all3+diff4", 1234), ("zero3+2mb", 1234)]
     assert todo[3] == ("zero3", 1235) and len(todo) == 5 * 3 - 2
     # the 10 %-warmup study measures the floor right after zero3 of each seed
-    assert S.pending("125m-w150", {}, {})[:3] == [("zero3", 1234), ("zero3+2mb", 1234),
+    assert P.pending("125m-w150", {}, {})[:3] == [("zero3", 1234), ("zero3+2mb", 1234),
                                                  ("all3", 1234)]
-    assert S.pending("350m", {}, {}, only=["all3"]) == [("all3", 1234), ("all3", 1235)]
+    assert P.pending("350m", {}, {}, only=["all3"]) == [("all3", 1234), ("all3", 1235)]
     # a lease can finish one seed (its pairs on one GPU model) before it starts another
-    assert S.pending("125m-w150", done, {}, seeds=[1235])[0] == ("zero3", 1235)
-    assert {s for _, s in S.pending("125m-w150", done, {}, seeds=[1235])} == {1235}
+    assert P.pending("125m-w150", done, {}, seeds=[1235])[0] == ("zero3", 1235)
+    assert {s for _, s in P.pending("125m-w150", done, {}, seeds=[1235])} == {1235}
     with pytest.raises(ValueError, match=r"seeds \[99\] are not study 125m-w150's"):
-        S.pending("125m-w150", {}, {}, seeds=[99, 1234])
+        P.pending("125m-w150", {}, {}, seeds=[99, 1234])
     # a configuration outside the study would queue nothing without a word
     with pytest.raises(ValueError, match=r"configurations \['all3\+diff4'\] are not study "
                        r"smoke's"):
-        S.pending("smoke", {}, {}, only=["all3+diff4", "all3"])
+        P.pending("smoke", {}, {}, only=["all3+diff4", "all3"])
 
 
 def test_studies_are_the_issues_matrix():
@@ -411,10 +413,10 @@ def test_a_missed_target_queues_the_studys_follow_up_on_every_seed(monkeypatch, 
     # all3 +0.3 % at both seeds: MISSED, so the follow-up joins after the seeds' own jobs
     missed = _gap_records(0.3)
     assert R.all3_verdict(R.study_summary(list(missed.values())), study) == "MISSED"
-    assert [S.job_key("smoke-m", c, s) for c, s in S.pending("smoke-m", missed, {})] == (
+    assert [S.job_key("smoke-m", c, s) for c, s in P.pending("smoke-m", missed, {})] == (
         own + follow)
     # a lease runs them across both recorded seeds, each seed's record rerun first
-    p = S.lease_plan(missed, "smoke-m", "NVIDIA H100")
+    p = P.lease_plan(missed, "smoke-m", "NVIDIA H100")
     assert p["jobs"] == own + follow and p["all3_verdict"] == "MISSED"
     assert p["rechecks"] == ["smoke-m/zero3@seed1234", "smoke-m/zero3@seed1235"]
     results = tmp_path / "results.jsonl"
@@ -434,15 +436,15 @@ def test_a_missed_target_queues_the_studys_follow_up_on_every_seed(monkeypatch, 
     # controls: met (+0.2 %), or open (one seed without all3): no follow-up
     met = _gap_records(0.2)
     assert R.all3_verdict(R.study_summary(list(met.values())), study) == "met"
-    assert [S.job_key("smoke-m", c, s) for c, s in S.pending("smoke-m", met, {})] == own
+    assert [S.job_key("smoke-m", c, s) for c, s in P.pending("smoke-m", met, {})] == own
     half = {k: v for k, v in missed.items() if k != "smoke-m/all3@seed1235"}
     assert R.all3_verdict(R.study_summary(list(half.values())), study) is None
     assert "smoke-m/all3+qgz8@seed1234" not in [
-        S.job_key("smoke-m", c, s) for c, s in S.pending("smoke-m", half, {})]
+        S.job_key("smoke-m", c, s) for c, s in P.pending("smoke-m", half, {})]
     # a study without the rule never queues it, whatever its verdict
     plain = _gap_records(0.3, study="smoke")
     assert R.all3_verdict(R.study_summary(list(plain.values())), D.SMOKE) == "MISSED"
-    assert all(c != "all3+qgz8" for c, _ in S.pending("smoke", plain, {}))
+    assert all(c != "all3+qgz8" for c, _ in P.pending("smoke", plain, {}))
 
 
 def test_compare_to_record_identical_different_and_missing():
@@ -484,14 +486,14 @@ def test_recheck_key_picks_the_studys_first_job_or_its_first_of_a_configuration(
             config="all3"), _rec(job="w/all3@seed1", study="w", config="all3"),
             _rec(job="w/all3@seed2", study="w", config="all3")]
     results = {r["job"]: r for r in jobs}
-    assert S.recheck_key(results, "w") == "w/zero3@seed1"
-    assert S.recheck_key(results, "w", config="all3") == "w/all3@seed1"  # not another study's
-    assert S.recheck_key(results, "w", config="qwz+hpz") is None  # none yet: nothing to rerun
-    assert S.recheck_key(results, "w", job="w/all3@seed2") == "w/all3@seed2"
+    assert P.recheck_key(results, "w") == "w/zero3@seed1"
+    assert P.recheck_key(results, "w", config="all3") == "w/all3@seed1"  # not another study's
+    assert P.recheck_key(results, "w", config="qwz+hpz") is None  # none yet: nothing to rerun
+    assert P.recheck_key(results, "w", job="w/all3@seed2") == "w/all3@seed2"
     with pytest.raises(ValueError, match="is not in the results"):
-        S.recheck_key(results, "w", job="w/all3@seed3")
+        P.recheck_key(results, "w", job="w/all3@seed3")
     with pytest.raises(ValueError, match="name one"):
-        S.recheck_key(results, "w", job="w/all3@seed2", config="all3")
+        P.recheck_key(results, "w", job="w/all3@seed2", config="all3")
 
 
 def test_record_keeps_rechecks_and_table_prints_them(tmp_path, capsys):
@@ -601,15 +603,15 @@ def test_a_job_run_recorded_and_rechecked_on_cpu(tmp_path, sample_dir):
     assert S.main(["poll", "--run-dir", run, "--out", out, "--data-dir", data]) == 0
     assert S.main(["record", "--records", os.path.join(out, "records.jsonl"),
                    "--results", results]) == 0
-    rec = S.read_results(results)["smoke/zero3@seed1234"]
+    rec = P.read_results(results)["smoke/zero3@seed1234"]
     assert rec["last_iteration"] == 20 and [i for i, _ in rec["val_loss"]] == [10, 20]
     assert rec["qgz_error"] == [] and rec["qwz_error"] == []  # nothing quantized to measure
     # the noise floor: the same global batch in micro-batches of 1 moves the numbers (rounding)
-    floor = S.read_results(results)["smoke/zero3+2mb@seed1234"]
+    floor = P.read_results(results)["smoke/zero3+2mb@seed1234"]
     assert floor["micro_batch_size"] == 1 and rec["micro_batch_size"] == 2
     assert floor["loss_every_10"] != rec["loss_every_10"]
     assert R.same_as_zero3([rec, floor]) == []
-    all3 = S.read_results(results)["smoke/all3@seed1234"]
+    all3 = P.read_results(results)["smoke/all3@seed1234"]
     assert all3["last_iteration"] == 20 and all3["final_val_loss_exact"] is not None
     for what in ("qgz_error", "qwz_error"):  # every validation interval, and iteration 1
         assert [line["iteration"] for line in all3[what]] == [1, 10, 20], what
@@ -755,49 +757,121 @@ def test_lease_plan_keeps_each_seed_on_the_gpu_model_of_its_records():
             _rec(job="other/all3@seed1235", study="other", config="all3", seed=1235,
                  device=h200)]  # another study's: never rechecked for this one
     results = {r["job"]: r for r in recs}
-    p = S.lease_plan(results, "smoke", h100)
+    p = P.lease_plan(results, "smoke", h100)
     assert p["seeds"] == [1234, 1235] and p["elsewhere"] == {}
     assert p["jobs"] == [f"smoke/{z}@seed1234", "smoke/zero3@seed1235", "smoke/all3@seed1235",
                          f"smoke/{z}@seed1235"]
     # seed 1235 has no record: nothing of it to rerun
     assert (p["rechecks"], p["recheck_all3"]) == (["smoke/zero3@seed1234"], "smoke/all3@seed1234")
     # another model: seed 1234's pairs stay on the H100; 1235 starts afresh, nothing to rerun
-    p = S.lease_plan(results, "smoke", h200)
+    p = P.lease_plan(results, "smoke", h200)
     assert p["seeds"] == [1235] and p["elsewhere"] == {1234: [h100]}
     assert p["jobs"][0] == "smoke/zero3@seed1235"
     assert (p["rechecks"], p["recheck_all3"]) == ([], None)
     # seed 1235's zero3 ran on the H200: the next H200 lease reruns it; an H100 lease leaves
     # 1235 out and reruns 1234's
     results["smoke/zero3@seed1235"] = _rec(job="smoke/zero3@seed1235", seed=1235, device=h200)
-    p = S.lease_plan(results, "smoke", h200)
+    p = P.lease_plan(results, "smoke", h200)
     assert p["jobs"] == ["smoke/all3@seed1235", f"smoke/{z}@seed1235"]
     assert (p["rechecks"], p["recheck_all3"]) == (["smoke/zero3@seed1235"], None)
-    p = S.lease_plan(results, "smoke", h100)
+    p = P.lease_plan(results, "smoke", h100)
     assert p["seeds"] == [1234] and p["elsewhere"] == {1235: [h200]}
     assert p["jobs"] == [f"smoke/{z}@seed1234"] and p["rechecks"] == ["smoke/zero3@seed1234"]
     # a finished seed: nothing to run, nothing to rerun
     results[f"smoke/{z}@seed1234"] = _rec(job=f"smoke/{z}@seed1234", config=z, device=h100)
-    assert S.lease_plan(results, "smoke", h100, seeds=[1234]) == {
-        "study": "smoke", "device": h100, "seeds": [1234], "elsewhere": {},
+    assert P.lease_plan(results, "smoke", h100, seeds=[1234]) == {
+        "study": "smoke", "device": h100, "seeds": [1234], "elsewhere": {}, "bridged": {},
         "all3_verdict": None, "jobs": [], "rechecks": [], "recheck_all3": None}
     # a seed whose jobs already ran on both models pairs on neither
     results["smoke/all3@seed1235"] = _rec(job="smoke/all3@seed1235", config="all3", seed=1235,
                                          device=h100)
-    assert S.lease_plan(results, "smoke", h200)["elsewhere"] == {1234: [h100],
+    assert P.lease_plan(results, "smoke", h200)["elsewhere"] == {1234: [h100],
                                                                  1235: [h100, h200]}
     with pytest.raises(ValueError, match=r"seeds \[7\] are not study smoke's"):
-        S.lease_plan(results, "smoke", h100, seeds=[7])
+        P.lease_plan(results, "smoke", h100, seeds=[7])
     # jobs of two seeds with records (a job of 1234 ended without one while 1235's ran, or a
     # configuration added after both): both seeds' jobs queue, each seed's record rerun first
     results = {r["job"]: r for r in (
         _rec(job="smoke/zero3@seed1234", device=h100),
         _rec(job="smoke/all3@seed1235", config="all3", seed=1235, device=h100),
         _rec(job="smoke/zero3@seed1235", seed=1235, device=h100))}
-    p = S.lease_plan(results, "smoke", h100)
+    p = P.lease_plan(results, "smoke", h100)
     assert p["jobs"] == ["smoke/all3@seed1234", f"smoke/{z}@seed1234", f"smoke/{z}@seed1235"]
     # each seed's first recorded job (1235's all3 was recorded before its zero3)
     assert p["rechecks"] == ["smoke/zero3@seed1234", "smoke/all3@seed1235"]
     assert p["recheck_all3"] == "smoke/all3@seed1235"
+
+
+def _verdict(job, device, recorded, identical=True, iters=10):
+    """A recheck verdict as ``lab_study.py recheck`` writes it."""
+    return {"job": job, "iters": iters, "device": device, "commit": "def",
+            "gpu_sharing": "mps", "recorded": {"device": recorded, "commit": "abc",
+                                               "gpu_sharing": "mps"},
+            "returncode": 0 if identical else 3, "identical": identical, "compared": 4,
+            "first_difference": None, "missing": []}
+
+
+def test_a_seed_moves_to_a_gpu_model_that_reproduced_its_record():
+    h100, h200, a100 = "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100"
+    z = D.FLOOR
+    zero3 = "smoke/zero3@seed1235"
+    results = {r["job"]: r for r in (
+        _rec(device=h100), _rec(job=zero3, seed=1235, device=h200),
+        _rec(job="other/zero3@seed1235", study="other", seed=1235, device=h200))}
+    assert P.lease_plan(results, "smoke", h100)["elsewhere"] == {1235: [h200]}
+    # the H100 reran the H200's zero3 of seed 1235 through a validation, the same numbers
+    moved = [_verdict(zero3, h100, h200)]
+    p = P.lease_plan(results, "smoke", h100, verdicts=moved)
+    assert p["seeds"] == [1234, 1235] and p["elsewhere"] == {}
+    assert p["bridged"] == {1235: [zero3]}
+    assert p["jobs"] == ["smoke/all3@seed1234", f"smoke/{z}@seed1234", "smoke/all3@seed1235",
+                         f"smoke/{z}@seed1235"]
+    assert p["rechecks"] == ["smoke/zero3@seed1234", zero3]  # each seed's first, rerun again
+    assert P.lease_plans(results, ["smoke"], h100, verdicts=moved)["jobs"] == p["jobs"]
+    # controls: each of these leaves seed 1235 out
+    for bad in (_verdict(zero3, h100, h200, identical=False),  # it differed
+                _verdict(zero3, h100, h200, iters=5),  # stopped before a validation
+                _verdict(zero3, h200, h200),  # the H200 reproduced itself
+                _verdict(zero3, h100, a100),  # the verdict names another model than the record
+                _verdict("other/zero3@seed1235", h100, h200),  # another study's record
+                _verdict("smoke/zero3@seed9", h100, h200)):  # no such record
+        p = P.lease_plan(results, "smoke", h100, verdicts=[bad])
+        assert p["elsewhere"] == {1235: [h200]} and p["bridged"] == {}, bad
+    # a seed on two other models needs a reproduced record of each
+    results["smoke/all3@seed1235"] = _rec(job="smoke/all3@seed1235", config="all3", seed=1235,
+                                         device=a100)
+    assert P.lease_plan(results, "smoke", h100, verdicts=moved)["elsewhere"] == {
+        1235: [a100, h200]}
+    both = moved + [_verdict("smoke/all3@seed1235", h100, a100, iters=20)]
+    p = P.lease_plan(results, "smoke", h100, verdicts=both)
+    assert p["elsewhere"] == {} and p["bridged"] == {1235: ["smoke/all3@seed1235", zero3]}
+    # the move is one way: the H200 has reproduced nothing of the H100's
+    results["smoke/all3@seed1235"]["device"] = h100
+    assert P.lease_plan(results, "smoke", h200, verdicts=moved)["elsewhere"] == {
+        1234: [h100], 1235: [h100, h200]}
+
+
+def test_plan_weighs_recorded_and_the_leases_own_rechecks(tmp_path, capsys):
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    zero3 = "smoke/zero3@seed1235"
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(_rec(job=zero3, seed=1235, device=h200)) + "\n")
+    base = ["plan", "--study", "smoke", "--results", str(results), "--device", h100,
+            "--seeds", "1235", "--shell"]
+    lease = tmp_path / "out" / "rechecks.jsonl"  # not there yet: no verdict
+    assert S.main(base + ["--rechecks", str(lease)]) == 0
+    out, err = capsys.readouterr()
+    assert "PLAN_JOBS=''" in out and f"seed 1235 left out: its jobs ran on {h200}" in err
+    lease.parent.mkdir()
+    lease.write_text(json.dumps(_verdict(zero3, h100, h200)) + "\n")
+    assert S.main(base + ["--rechecks", str(lease)]) == 0
+    out, err = capsys.readouterr()
+    assert "PLAN_JOBS='smoke/all3@seed1235 " in out
+    assert f"seed 1235 runs here too: this model reproduced {zero3}" in err
+    # recorded beside the results (record --rechecks): the same without --rechecks
+    (tmp_path / "rechecks.jsonl").write_text(lease.read_text())
+    assert S.main(base) == 0
+    assert "PLAN_JOBS='smoke/all3@seed1235 " in capsys.readouterr().out
 
 
 def _second_study(monkeypatch):
@@ -813,16 +887,16 @@ def test_lease_plans_queue_the_studies_one_after_the_other(monkeypatch):
         _rec(job="smoke/zero3@seed1234", device=h100),
         _rec(job="smoke/all3@seed1234", config="all3", device=h100),
         _rec(job=f"{other}/zero3@seed7", study=other, seed=7, device=h200))}
-    p = S.lease_plans(results, ["smoke", other], h100)
-    smoke = S.lease_plan(results, "smoke", h100)["jobs"]
+    p = P.lease_plans(results, ["smoke", other], h100)
+    smoke = P.lease_plan(results, "smoke", h100)["jobs"]
     assert p["studies"] == ["smoke"]  # seed 7 of the other ran on the H200: nothing here
     assert p["jobs"] == smoke and p["rechecks"] == ["smoke/zero3@seed1234"]
     assert p["recheck_all3"] == "smoke/all3@seed1234"
     # on the H200: smoke's seed 1234 ran on the H100 and 1235 has no record, so 1235's jobs
     # queue, then the other study's seed 7
-    p = S.lease_plans(results, ["smoke", other], h200)
+    p = P.lease_plans(results, ["smoke", other], h200)
     assert p["studies"] == ["smoke", other]
-    assert p["jobs"] == (S.lease_plan(results, "smoke", h200)["jobs"]
+    assert p["jobs"] == (P.lease_plan(results, "smoke", h200)["jobs"]
                          + [f"{other}/all3@seed7", f"{other}/{D.FLOOR}@seed7"])
     assert p["jobs"][0] == "smoke/zero3@seed1235"
     assert p["rechecks"] == [f"{other}/zero3@seed7"]  # smoke's 1235 has no record yet
@@ -833,12 +907,12 @@ def test_lease_plans_queue_the_studies_one_after_the_other(monkeypatch):
         for seed in (1234, 1235):
             key = f"smoke/{c}@seed{seed}"
             results.setdefault(key, _rec(job=key, config=c, seed=seed, device=h100))
-    assert S.lease_plans(results, ["smoke", other], h100)["jobs"] == []
-    p = S.lease_plans(results, [other, "smoke"], h200)
+    assert P.lease_plans(results, ["smoke", other], h100)["jobs"] == []
+    p = P.lease_plans(results, [other, "smoke"], h200)
     assert p["studies"] == [other] and p["jobs"] == [f"{other}/all3@seed7",
                                                      f"{other}/{D.FLOOR}@seed7"]
     with pytest.raises(ValueError, match="name one study"):
-        S.lease_plans(results, ["smoke", other], h100, seeds=[1234])
+        P.lease_plans(results, ["smoke", other], h100, seeds=[1234])
 
 
 def test_plan_prints_assignments_a_lease_script_sources(tmp_path, capsys, monkeypatch):
