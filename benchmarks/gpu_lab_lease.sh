@@ -134,7 +134,10 @@ if [ "${RECHECK:-1}" = 1 ]; then
     n=0
     for job in $PLAN_RECHECKS; do
         n=$((n + 1))
-        case "$passed" in *" $job "*) continue ;; esac  # rerun above (CROSS)
+        case "$passed" in *" $job "*)
+            echo "[lease] recheck (seed$n: $job): rerun above (CROSS)" | tee -a "$LOG"
+            continue ;;
+        esac
         recheck "seed$n" "$job"
     done
     [ "$n" -gt 0 ] || echo "[lease] recheck: no seed queued has a record to rerun" | tee -a "$LOG"

@@ -212,6 +212,7 @@ def test_a_cross_model_recheck_that_passes_moves_its_seed_here(tmp_path):
     assert _verdicts(out) == [(zero3, True)]  # not rerun again as the seed's recheck
     log = (out / "lease.txt").read_text()
     assert f"seed 1235 runs here too: this model reproduced {zero3}" in log
+    assert f"recheck (seed1: {zero3}): rerun above (CROSS)" in log
     assert re.search(r"--keys smoke/zero3@seed1234 .*smoke/all3@seed1235 ", log)
     # control: the rerun differs, so seed 1235 stays on the H200 and only 1234 queues
     proc, out = _lease(tmp_path / "differs", recorded=[("zero3", 1235, "NVIDIA H200")],
