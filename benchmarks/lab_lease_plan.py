@@ -3,10 +3,11 @@ model runs of it: the jobs not recorded yet (:func:`pending`), which seeds that 
 take (:func:`lease_plan`), and which recorded jobs it reruns first (:func:`recheck_key`).
 
 A job pairs with zero3 of its seed bit for bit. Each seed's jobs stay on the GPU model that
-ran them, unless that model has rerun the start of a record of the seed made on another
-model, validation included, and logged the same numbers (:func:`bridged_seeds`): the GPU
-models then computed the same bits for every shape the job computes, and the seed may go on
-on either.
+ran them, unless another model has rerun the start of a record of the seed, through a
+validation, and logged the same numbers (:func:`bridged_seeds`); the seed may then go on on
+either. That is evidence, not proof, that the two compute the same bits for the rest: by the
+first validation the rerun has computed every shape the job computes, and the GPU libraries
+pick their kernels per shape.
 """
 
 from __future__ import annotations
