@@ -11,8 +11,8 @@
 # What it runs is lab_study.py plan's for this GPU model (OUT/lease.txt says why): a seed whose
 # jobs ran on another model is left out (its jobs pair with zero3 of the seed bit for bit only
 # where the model computes the same bits), unless this model reproduced one of its records
-# (CROSS below, or a recorded verdict); the studies' jobs queue one study after the other, so a model with
-# nothing (or little) left of the first runs the next. Before it queues, it reruns 100
+# (CROSS below, or a recorded verdict); the studies' jobs queue one study after the other, so
+# a model with nothing (or little) left of the first runs the next. Before it queues, it reruns 100
 # iterations of the first recorded job of each seed it queues and 30 of the first all3 job
 # recorded on this model, and compares them with their records (lab_study.py recheck;
 # RECHECK=0 skips them; verdicts, one per line, in OUT/rechecks.jsonl); if one differs it

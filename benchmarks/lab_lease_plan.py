@@ -67,17 +67,6 @@ def pending(name: str, done: Dict[str, dict], started: Dict[str, dict],
             and (not only or c in only) and (not seeds or s in seeds)]
 
 
-def read_verdicts(path: str) -> List[dict]:
-    """The recheck verdicts of a file: one (``recheck``'s ``recheck.json``) or one per line
-    (a lease's ``rechecks.jsonl``)."""
-    with open(path) as f:
-        text = f.read()
-    try:
-        return [json.loads(text)]
-    except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def bridged_seeds(results: Dict[str, dict], verdicts: Sequence[dict], study: str,
                   device: str) -> Dict[int, Dict[str, List[str]]]:
     """{seed: {another GPU model: the jobs of that model which ``device`` reproduced}} for

@@ -66,7 +66,6 @@ from lab_lease_plan import (  # noqa: E402
     lease_plans,
     pending,
     read_results,
-    read_verdicts,
     recheck_key,
 )
 from lab_studies import (  # noqa: E402
@@ -89,6 +88,7 @@ from lab_study_report import (  # noqa: E402
     floor_lines,
     layer_errors,
     read_rechecks,
+    read_verdicts,
     recheck_line,
     rechecks_path,
     same_as_zero3,

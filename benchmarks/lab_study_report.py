@@ -34,13 +34,23 @@ def rechecks_path(results: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(results)), "rechecks.jsonl")
 
 
+def read_verdicts(path: str) -> List[dict]:
+    """The recheck verdicts of a file: one (``recheck``'s ``recheck.json``) or one per line
+    (a lease's ``rechecks.jsonl``)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def read_rechecks(results: str, study: str) -> List[dict]:
+    """The kept verdicts (:func:`rechecks_path`) of ``study``'s jobs."""
     path = rechecks_path(results)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["job"].split("/")[0] == study]
+    return [r for r in read_verdicts(path) if r["job"].split("/")[0] == study]
 
 
 def as_results(records: Sequence[dict]) -> Dict[str, dict]:
