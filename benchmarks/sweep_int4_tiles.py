@@ -76,11 +76,14 @@ def _label(shape):
             if t else "default")
 
 
-def run(numel: int, json_path=None) -> dict:
+def run(numel: int, json_path=None, kernels=tuple(SHAPES), defaults_only=False) -> dict:
+    """Time ``kernels`` (all by default) at each of their shapes (``defaults_only``: the
+    default shape alone, still checked against the reference: a lease with little device time
+    left times what it lacks)."""
     device = bench_kernels.DEVICE
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke test)",
-           "numel": numel, "defaults": {k: list(tk._CONFIG[CONFIG_KIND[k]]) for k in SHAPES},
+           "numel": numel, "defaults": {k: list(tk._CONFIG[CONFIG_KIND[k]]) for k in kernels},
            "copy_GB/s": copy_bandwidth(2 * numel), "rows": []}
 
     def add(kernel, rounding, shape, moved, fn, check):
@@ -100,8 +103,10 @@ def run(numel: int, json_path=None) -> dict:
     def sweep(kernel, moved, call, reference, keys):
         """Each shape of ``kernel`` with both roundings; the default shape's stochastic output
         against the reference, every other shape's output against the default's."""
+        if kernel not in kernels:
+            return
         expect = {}
-        for shape in SHAPES[kernel]:
+        for shape in [None] if defaults_only else SHAPES[kernel]:
             for rounding, k in (("nearest", None), ("stochastic", keys)):
                 fn = partial(call, k, _tuning(shape))
                 try:
@@ -121,11 +126,15 @@ def run(numel: int, json_path=None) -> dict:
                 add(kernel, rounding, shape, moved, fn, check)
 
     key = derive_key(1234, 7, 0, 3)
-    x = random_input(numel, torch.bfloat16, seed=1)
-    sweep("quantize4", quant_bytes(numel, 4, 2),
-          lambda k, t: tk.swizzled_quantize(x, 2, 4, 4, BS, row_keys=k, **t),
-          lambda k: qref.swizzled_quantize(x, 2, 4, 4, BS, k),
-          row_keys(key, range(8), device=device))
+    if "quantize4" in kernels:
+        x = random_input(numel, torch.bfloat16, seed=1)
+        sweep("quantize4", quant_bytes(numel, 4, 2),
+              lambda k, t: tk.swizzled_quantize(x, 2, 4, 4, BS, row_keys=k, **t),
+              lambda k: qref.swizzled_quantize(x, 2, 4, 4, BS, k),
+              row_keys(key, range(8), device=device))
+        del x
+    if not {"reduce4", "reduce4to8"} & set(kernels):
+        return out
 
     pieces = 8
     data, scales = reduce_input(numel, torch.bfloat16, pieces)
@@ -141,9 +150,15 @@ def run(numel: int, json_path=None) -> dict:
 
 
 def main() -> None:
+    def more(parser):
+        parser.add_argument("--kernels", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES),
+                            help="time these only (default: all)")
+        parser.add_argument("--defaults-only", action="store_true",
+                            help="each kernel at its default shape only")
+
     args = bench_kernels.gpu_bench_args(__doc__.splitlines()[0],
-                                        "write the numbers here (after every row)")
-    out = run(args.numel, args.json)
+                                        "write the numbers here (after every row)", more)
+    out = run(args.numel, args.json, tuple(args.kernels), args.defaults_only)
     print(f"copy bandwidth {out['copy_GB/s']:.0f} GB/s on {out['device']}")
 
 

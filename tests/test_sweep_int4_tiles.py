@@ -37,3 +37,19 @@ def test_every_shape_runs_and_matches_the_default_bit_for_bit(tmp_path):
     # the former default (no plain-tile test) times beside today's (which tests)
     assert {(r["tile"], r["fast"]) for r in rows if r["kernel"] == "quantize4"} >= {
         (None, None), (1024, False), (2048, True), (2048, False)}
+
+
+@pytest.mark.slow
+def test_a_short_lease_times_one_kernel_at_its_default_against_the_reference(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_int4_tiles.py"),
+                           "--smoke-cpu", "--numel", "16384", "--json", str(out),
+                           "--kernels", "reduce4to8", "--defaults-only"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert [(r["kernel"], r["rounding"], r["tile"], r["check"]) for r in got["rows"]] == [
+        ("reduce4to8", "nearest", None, "-"), ("reduce4to8", "stochastic", None, "reference")]
+    assert list(got["defaults"]) == ["reduce4to8"]
