@@ -4,6 +4,8 @@ warps, with round-to-nearest and stochastic rounding, as ``bench_rounding.py`` t
 Launch (on a CUDA machine; megatron-core is not needed)::
 
     PYTHONPATH=$PWD python benchmarks/sweep_int4_tiles.py --json out.json
+    # with a few minutes of device time: one kernel at its default shape
+    PYTHONPATH=$PWD python benchmarks/sweep_int4_tiles.py --kernels reduce4to8 --defaults-only
 
 Why: the static SASS counts (``sass_counts.py``) of the INT4 swizzled quantize with stochastic
 rounding fall from 20.6 to 16.7 instructions per element from 32 to 64 elements per thread (1024
