@@ -12,19 +12,25 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _sweep_json(tmp_path, *args) -> dict:
+    """What ``sweep_int4_tiles.py --smoke-cpu`` (Triton's interpreter, 16384 elements) with
+    ``args`` writes to ``--json``."""
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_int4_tiles.py"),
+                           "--smoke-cpu", "--numel", "16384", "--json", str(out), *args],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_every_shape_runs_and_matches_the_default_bit_for_bit(tmp_path):
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import sweep_int4_tiles as sweep
 
-    out = tmp_path / "sweep.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_int4_tiles.py"),
-                           "--smoke-cpu", "--numel", "16384", "--json", str(out)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = _sweep_json(tmp_path)["rows"]
     # every shape of both kernels with both roundings, none skipped as failing to compile
     ran = {(r["kernel"], r["rounding"], r["tile"], r["num_warps"], r["fast"]) for r in rows}
     want = {(k, rounding, *(sweep._tuning(s).get(x) for x in ("tile", "num_warps", "fast")))
@@ -42,14 +48,7 @@ def test_every_shape_runs_and_matches_the_default_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_a_short_lease_times_one_kernel_at_its_default_against_the_reference(tmp_path):
     pytest.importorskip("triton")
-    out = tmp_path / "sweep.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sweep_int4_tiles.py"),
-                           "--smoke-cpu", "--numel", "16384", "--json", str(out),
-                           "--kernels", "reduce4to8", "--defaults-only"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = _sweep_json(tmp_path, "--kernels", "reduce4to8", "--defaults-only")
     assert [(r["kernel"], r["rounding"], r["tile"], r["check"]) for r in got["rows"]] == [
         ("reduce4to8", "nearest", None, "-"), ("reduce4to8", "stochastic", None, "reference")]
     assert list(got["defaults"]) == ["reduce4to8"]
