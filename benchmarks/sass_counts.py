@@ -36,9 +36,9 @@ from triton.compiler import ASTSource
 from megatron_zeropp.quant import triton_kernels as tk
 
 BS = 256
-TILE, WARPS, FAST = tk._CONFIG["reduce4"]  # the INT4 dequantize-reduce-requantize
-TILE8, WARPS8, FAST8 = tk._CONFIG["quantize"]
-TILE4, WARPS4, FAST4 = tk._CONFIG["quantize4"]
+TILE, WARPS, FAST, MAXNREG = tk._CONFIG["reduce4"]  # the INT4 dequantize-reduce-requantize
+TILE8, WARPS8, FAST8, MAXNREG8 = tk._CONFIG["quantize"]
+TILE4, WARPS4, FAST4, MAXNREG4 = tk._CONFIG["quantize4"]
 _DIV16 = [["tt.divisibility", 16]]  # or the loads and stores come out scalar
 
 
@@ -51,13 +51,14 @@ def _always_plain(absmax, QMAX_F: tl.constexpr, FAST: tl.constexpr):
     return ok, scale, p, inv, True
 
 
-def _count(fn, sig, consts, out_dir, name, warps=WARPS):
+def _count(fn, sig, consts, out_dir, name, warps=WARPS, maxnreg=MAXNREG):
     sig = dict(sig, **{k: "constexpr" for k in consts})
     attrs = {(fn.arg_names.index(a),): _DIV16 for a, t in sig.items() if t != "constexpr"
              and a != "magic_bits"}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "enable_fp_fusion": False})
+                       options={"num_warps": warps, "maxnreg": maxnreg,
+                                "enable_fp_fusion": False})
     cubin = os.path.join(out_dir, name + ".cubin")
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])
@@ -86,7 +87,8 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     per_thread = TILE / (32 * WARPS)
     for bits, name in ((8, "INT8 quantize"), (4, "INT4 swizzled quantize 2x4")):
-        tile, warps, test = (TILE8, WARPS8, FAST8) if bits == 8 else (TILE4, WARPS4, FAST4)
+        tile, warps, test, regs = ((TILE8, WARPS8, FAST8, MAXNREG8) if bits == 8
+                                   else (TILE4, WARPS4, FAST4, MAXNREG4))
         for sr in (False, True):
             sig = {"x_ptr": "*bf16", "data_ptr": "*i8" if bits == 8 else "*i32",
                    "scale_ptr": "*fp32", "keys_ptr": "*i64" if sr else "*fp32",
@@ -96,7 +98,7 @@ def main() -> None:
                           QMAX_F=float(tk.QMAX[bits]), BS=BS, G=tile // BS, EVEN=True,
                           FAST=fast(test), INTERPRET=False, STOCHASTIC=sr)
             n, ops = _count(tk._quantize_rows_kernel, sig, consts, out_dir,
-                            f"quantize{bits}_{'sr' if sr else 'rne'}", warps)
+                            f"quantize{bits}_{'sr' if sr else 'rne'}", warps, regs)
             _report(name, sr, n, tile / (32 * warps), ops)
     for sr in (False, True):
         sig = {"data_ptr": "*i32", "scale_ptr": "*fp32", "out_data_ptr": "*i32",

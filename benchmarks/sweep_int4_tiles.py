@@ -51,15 +51,23 @@ from megatron_zeropp.quant import qgz_reference as qref  # noqa: E402
 from megatron_zeropp.quant import triton_kernels as tk  # noqa: E402
 from megatron_zeropp.quant.rounding import derive_key, row_keys  # noqa: E402
 
-# (elements per program, warps, fast) or (elements per program, warps) with the default's
-# fast; None: the default of triton_kernels._CONFIG, first. fast: the plain-tile test
-# (_block_params), which spares a plain tile's codes the select and the multiply by p. The
-# defaults before the H200 sweep of 2026-12-06 (quantize4 1024/1 without the test, reduce4
-# 2048/2) stay in the list, so every sweep times them beside today's.
+# (elements per program, warps[, fast[, maxnreg]]): fast None or left out is the default's, maxnreg
+# left out too; None: the default of triton_kernels._CONFIG, first. fast: the plain-tile test
+# (_block_params), which spares a plain tile's codes the select and the multiply by p. The defaults
+# before the H200 sweep of 2026-12-06 (quantize4 1024/1 without the test, reduce4 2048/2) stay in
+# the list, so every sweep times them beside today's.
 SHAPES = {"quantize4": [None, (1024, 1, False), (2048, 1, True), (2048, 1, False),
                         (4096, 1, True), (4096, 2, True), (2048, 2, True), (8192, 4, True)],
           "reduce4": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)],
           "reduce4to8": [None, (2048, 2), (4096, 2), (8192, 4), (1024, 1), (2048, 1)]}
+# Register caps for the dequantize-reduce-requantize (issue 34 item 5, 2026-12-07): ptxas keeps
+# the reduce4 at 64 registers and then hoists 2 of the 8 pieces' loads ahead of the arithmetic;
+# at 80 it hoists 4, at 96 4 with more slack (static SASS, sm_90), with 24 and 20 warps per SM
+# instead of 32. Whether the loads in flight are worth the warps is what the H200 (or its
+# stand-in) says.
+for _k in ("reduce4", "reduce4to8"):
+    SHAPES[_k] += [(4096, 4, None, 72), (4096, 4, None, 80), (4096, 4, None, 96),
+                   (2048, 2, None, 80), (1024, 1, None, 80), (8192, 4, None, 128)]
 # reduce4 requantizes INT4 to INT4 (qgZ with --zeropp-qgz-inter-bits 4), reduce4to8 INT4 to INT8
 # (qgZ's default since 2026-12-06); the _CONFIG entry each launches with:
 CONFIG_KIND = {"quantize4": "quantize4", "reduce4": tk._reduce_kind(4, 4),
@@ -69,13 +77,18 @@ CONFIG_KIND = {"quantize4": "quantize4", "reduce4": tk._reduce_kind(4, 4),
 def _tuning(shape):
     if shape is None:
         return {}
-    return {"tile": shape[0], "num_warps": shape[1], **({"fast": shape[2]} if shape[2:] else {})}
+    t = {"tile": shape[0], "num_warps": shape[1]}
+    if shape[2:] and shape[2] is not None:
+        t["fast"] = shape[2]
+    if shape[3:]:
+        t["maxnreg"] = shape[3]
+    return t
 
 
 def _label(shape):
     t = _tuning(shape)
     return (f"{t['tile']}/{t['num_warps']}" + (" fast" if t.get("fast") else "")
-            if t else "default")
+            + (f" r{t['maxnreg']}" if t.get("maxnreg") else "") if t else "default")
 
 
 def run(numel: int, json_path=None, kernels=tuple(SHAPES), defaults_only=False) -> dict:
@@ -93,7 +106,8 @@ def run(numel: int, json_path=None, kernels=tuple(SHAPES), defaults_only=False) 
         gbs = moved / ms / 1e6
         t = _tuning(shape)
         row = {"kernel": kernel, "rounding": rounding, "tile": t.get("tile"),
-               "num_warps": t.get("num_warps"), "fast": t.get("fast"), "ms": ms, "GB/s": gbs,
+               "num_warps": t.get("num_warps"), "fast": t.get("fast"),
+               "maxnreg": t.get("maxnreg"), "ms": ms, "GB/s": gbs,
                "of_copy": gbs / out["copy_GB/s"], "check": check}
         out["rows"].append(row)
         print(f"{kernel:10s} {rounding:10s} {_label(shape):>14s} {ms:8.3f} ms {gbs:6.0f} GB/s "

@@ -61,6 +61,24 @@ def test_the_package_works_without_triton():
                    env=dict(env, PYTHONPATH=ROOT))
 
 
+@parent_only
+def test_tuning_overrides_each_default_and_rejects_bad_values():
+    pytest.importorskip("triton")
+    from megatron_zeropp.quant import triton_kernels as tk
+
+    tile, warps, fast, regs = tk._CONFIG["reduce4"]
+    assert tk._config("reduce4", 256, {}) == (tile, warps, fast, regs)
+    assert tk._config("reduce4", 256, {"maxnreg": 80, "tile": 2048}) == (2048, warps, fast, 80)
+    assert tk._config("reduce4", 256, {"maxnreg": None})[3] is None
+    for bad in ({"maxnreg": 16}, {"maxnreg": 256}):
+        with pytest.raises(ValueError, match=f"got {bad['maxnreg']}"):
+            tk._config("reduce4", 256, bad)
+    with pytest.raises(ValueError, match="tile must be a power of two, got 3000"):
+        tk._config("reduce4", 256, {"tile": 3000})
+    with pytest.raises(ValueError, match="unknown tuning options"):
+        tk._config("reduce4", 256, {"regs": 80})
+
+
 # --- the cases the child runs -------------------------------------------------------------------
 
 def same(a, b):

@@ -32,8 +32,9 @@ def test_every_shape_runs_and_matches_the_default_bit_for_bit(tmp_path):
 
     rows = _sweep_json(tmp_path)["rows"]
     # every shape of both kernels with both roundings, none skipped as failing to compile
-    ran = {(r["kernel"], r["rounding"], r["tile"], r["num_warps"], r["fast"]) for r in rows}
-    want = {(k, rounding, *(sweep._tuning(s).get(x) for x in ("tile", "num_warps", "fast")))
+    fields = ("tile", "num_warps", "fast", "maxnreg")
+    ran = {(r["kernel"], r["rounding"], *(r[x] for x in fields)) for r in rows}
+    want = {(k, rounding, *(sweep._tuning(s).get(x) for x in fields))
             for k, shapes in sweep.SHAPES.items() for s in shapes
             for rounding in ("nearest", "stochastic")}
     assert ran == want and len(rows) == len(want)
@@ -43,6 +44,9 @@ def test_every_shape_runs_and_matches_the_default_bit_for_bit(tmp_path):
     # the former default (no plain-tile test) times beside today's (which tests)
     assert {(r["tile"], r["fast"]) for r in rows if r["kernel"] == "quantize4"} >= {
         (None, None), (1024, False), (2048, True), (2048, False)}
+    # register caps for both dequantize-reduce-requantize kernels, beside ptxas's own choice
+    assert {(r["kernel"], r["maxnreg"]) for r in rows if r["tile"] == 4096} >= {
+        (k, m) for k in ("reduce4", "reduce4to8") for m in (None, 72, 80, 96)}
 
 
 @pytest.mark.slow

@@ -60,20 +60,23 @@ from .triton_rounding import (
     _sr_y,
 )
 
-# (elements per program, warps per program, FAST) by kernel, from the H200 sweeps recorded in
-# docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
-# dtype: its interleaving runs out of registers above 16). A program's tile is at least one
-# block. FAST: test each tile for the plain case (see _block_params). quantize4 (INT4, the
-# word layout of _quantize_words): one warp of 4 blocks, so that no block spans two warps;
-# with the test its stochastic rounding ran at 93.7 % of an H200's copy bandwidth against
-# 87.9 % without (sweep_int4_tiles.py, 2026-12-06). reduce4 (INT4 in, requantized to INT4 or
-# INT8): 4096 on 4 warps (the same 32 per thread in smaller programs) ran 2 points faster than
-# 2048 on 2 on both an H200 and an H100 for INT4 out; for INT8 out, qgZ's default since
-# 2026-12-06, 1-3 % faster than 2048 on 2 on an H100 whole and on 72 % of its SMs, the H200's
-# stand-in (ab_kernels.py, 2026-12-07). reduce (INT8 in, requantized) keeps 2048 on 2.
-_CONFIG = {"quantize": (2048, 2, False), "quantize4": (1024, 1, True),
-           "dequantize": (2048, 4, False), "reduce": (2048, 2, True),
-           "reduce4": (4096, 4, True), "reduce_cast": (1024, 2, True)}
+# (elements per program, warps per program, FAST, MAXNREG) by kernel, from the H200 sweeps recorded
+# in docs/benchmarks.md (32 elements per thread was best, except the dequantize-reduce to a float
+# dtype: its interleaving runs out of registers above 16). A program's tile is at least one block.
+# FAST: test each tile for the plain case (see _block_params). quantize4 (INT4, the word layout of
+# _quantize_words): one warp of 4 blocks, so that no block spans two warps; with the test its
+# stochastic rounding ran at 93.7 % of an H200's copy bandwidth against 87.9 % without
+# (sweep_int4_tiles.py, 2026-12-06). reduce4 (INT4 in, requantized to INT4 or INT8): 4096 on 4 warps
+# (the same 32 per thread in smaller programs) ran 2 points faster than 2048 on 2 on both an H200
+# and an H100 for INT4 out; for INT8 out, qgZ's default since 2026-12-06, 1-3 % faster than 2048 on
+# 2 on an H100 whole and on 72 % of its SMs, the H200's stand-in (ab_kernels.py, 2026-12-07). reduce
+# (INT8 in, requantized) keeps 2048 on 2.
+# MAXNREG: the register cap given to ptxas (None: ptxas's own choice, 64 for the reduce4). More
+# registers let ptxas hoist more of the pieces' loads ahead of the arithmetic (4 of 8 at 80
+# against 2 at 64, static SASS) at the cost of fewer warps per SM.
+_CONFIG = {"quantize": (2048, 2, False, None), "quantize4": (1024, 1, True, None),
+           "dequantize": (2048, 4, False, None), "reduce": (2048, 2, True, None),
+           "reduce4": (4096, 4, True, None), "reduce_cast": (1024, 2, True, None)}
 _MAX_GRID_DIM1 = 65535
 
 # Runtime argument of the INT4 unpacking (see _nibble): the bits of 2**23.
@@ -601,16 +604,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _config(kind: str, block_size: int, tuning: dict) -> Tuple[int, int, bool]:
-    """(tile, num_warps, fast) for a kernel: defaults from _CONFIG, overridden by ``tuning``."""
-    unknown = set(tuning) - {"tile", "num_warps", "fast"}
+def _config(kind: str, block_size: int,
+            tuning: dict) -> Tuple[int, int, bool, Optional[int]]:
+    """(tile, num_warps, fast, maxnreg) for a kernel: defaults from _CONFIG, overridden by
+    ``tuning``."""
+    unknown = set(tuning) - {"tile", "num_warps", "fast", "maxnreg"}
     if unknown:
         raise ValueError(f"unknown tuning options {sorted(unknown)}")
-    tile, num_warps, fast = _CONFIG[kind]
+    tile, num_warps, fast, maxnreg = _CONFIG[kind]
     tile = tuning.get("tile", tile)
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two, got {tile}")
-    return max(tile, block_size), tuning.get("num_warps", num_warps), tuning.get("fast", fast)
+    maxnreg = tuning.get("maxnreg", maxnreg)
+    if maxnreg is not None and not 24 <= maxnreg <= 255:
+        raise ValueError(f"maxnreg must be None or in [24, 255], got {maxnreg}")
+    return (max(tile, block_size), tuning.get("num_warps", num_warps), tuning.get("fast", fast),
+            maxnreg)
 
 
 def _reduce_kind(bits: int, out_bits: Optional[int]) -> str:
@@ -666,7 +675,8 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
     if rows == 0 or nblocks == 0:
         return data, scales
     _check_row_length(n)
-    tile, num_warps, fast = _config("quantize" if bits == 8 else "quantize4", block_size, tuning)
+    tile, num_warps, fast, maxnreg = _config("quantize" if bits == 8 else "quantize4", block_size,
+                                             tuning)
     grid, rows_first = _grid(rows, -(-n // tile))
     keys, stochastic = _keys_arg(row_keys, rows, src.device, scales)
     _quantize_rows_kernel[grid](
@@ -674,7 +684,7 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
         RANKS_PER_NODE=ranks_per_node, SWIZZLE=swizzle, ROWS_FIRST=rows_first, BITS=bits,
         QMAX_F=float(QMAX[bits]), BS=block_size, G=tile // block_size, EVEN=n % tile == 0,
         FAST=fast, INTERPRET=_interpreting(), STOCHASTIC=stochastic, num_warps=num_warps,
-        enable_fp_fusion=False,
+        maxnreg=maxnreg, enable_fp_fusion=False,
     )
     return data, scales
 
@@ -684,7 +694,8 @@ def quantize_chunks(x2d: torch.Tensor, bits: int, block_size: int,
                     **tuning) -> Tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`.reference.quantize_chunks` (``row_keys``: stochastic rounding).
 
-    ``tuning`` (benchmarks only): ``tile`` (elements per program), ``num_warps``, ``fast``.
+    ``tuning`` (benchmarks only): ``tile`` (elements per program), ``num_warps``, ``fast``,
+    ``maxnreg`` (see ``_CONFIG``).
     """
     check_bits_and_block_size(bits, block_size)
     if x2d.dim() != 2:
@@ -715,13 +726,13 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
     if rows == 0 or numel == 0:
         return out
     _check_row_length(numel)
-    tile, num_warps, _ = _config("dequantize", block_size, tuning)
+    tile, num_warps, _, maxnreg = _config("dequantize", block_size, tuning)
     grid, rows_first = _grid(rows, -(-numel // tile))
     _dequantize_rows_kernel[grid](
         _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
         _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
         G=tile // block_size, EVEN=numel % tile == 0, INTERPRET=_interpreting(),
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, maxnreg=maxnreg, enable_fp_fusion=False,
     )
     return out
 
@@ -750,8 +761,8 @@ def dequantize_reduce(
         out = out_data  # unused by the kernel
     if rows > 0 and numel > 0:
         _check_row_length(numel)
-        tile, num_warps, fast = _config(_reduce_kind(bits, out_bits),
-                                        max(block_size, out_block_size), tuning)
+        tile, num_warps, fast, maxnreg = _config(_reduce_kind(bits, out_bits),
+                                                 max(block_size, out_block_size), tuning)
         grid, rows_first = _grid(rows, -(-numel // tile))
         keys, stochastic = _keys_arg(out_row_keys if out_bits else None, rows, device,
                                      out_scales)
@@ -763,7 +774,7 @@ def dequantize_reduce(
             OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
             TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
             STOCHASTIC=stochastic, OFF64=max(data.numel() // 4, scales.numel()) >= _OFF32_LIMIT,
-            num_warps=num_warps, enable_fp_fusion=False,
+            num_warps=num_warps, maxnreg=maxnreg, enable_fp_fusion=False,
         )
     if out_bits is None:
         return out
