@@ -77,6 +77,9 @@ def test_tuning_overrides_each_default_and_rejects_bad_values():
         tk._config("reduce4", 256, {"tile": 3000})
     with pytest.raises(ValueError, match="unknown tuning options"):
         tk._config("reduce4", 256, {"regs": 80})
+    # no cap set: the launch carries no maxnreg at all (ptxas's own choice, as before the option)
+    assert tk._launch_options(4, None) == {"num_warps": 4, "enable_fp_fusion": False}
+    assert tk._launch_options(4, 80) == {"num_warps": 4, "enable_fp_fusion": False, "maxnreg": 80}
 
 
 # --- the cases the child runs -------------------------------------------------------------------

@@ -622,6 +622,16 @@ def _config(kind: str, block_size: int,
             maxnreg)
 
 
+def _launch_options(num_warps: int, maxnreg: Optional[int]) -> dict:
+    """Compile options of a launch. No fp contraction (see the module docstring); ``maxnreg``
+    only where one is set, so that ptxas's own choice is compiled with the options it had
+    before the cap existed."""
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return options
+
+
 def _reduce_kind(bits: int, out_bits: Optional[int]) -> str:
     """The _CONFIG entry of a dequantize-reduce of ``bits`` input to ``out_bits`` (None: a
     float dtype)."""
@@ -683,8 +693,8 @@ def _launch_quantize(src, rows, n, bits, block_size, nodes, ranks_per_node, swiz
         src, _kernel_codes(data, bits), scales, keys, n, nbytes, nblocks, NODES=nodes,
         RANKS_PER_NODE=ranks_per_node, SWIZZLE=swizzle, ROWS_FIRST=rows_first, BITS=bits,
         QMAX_F=float(QMAX[bits]), BS=block_size, G=tile // block_size, EVEN=n % tile == 0,
-        FAST=fast, INTERPRET=_interpreting(), STOCHASTIC=stochastic, num_warps=num_warps,
-        maxnreg=maxnreg, enable_fp_fusion=False,
+        FAST=fast, INTERPRET=_interpreting(), STOCHASTIC=stochastic,
+        **_launch_options(num_warps, maxnreg),
     )
     return data, scales
 
@@ -732,7 +742,7 @@ def dequantize_chunks(data: torch.Tensor, scales: torch.Tensor, bits: int, block
         _kernel_codes(data, bits), scales.contiguous(), out, numel, data.shape[1], scales.shape[1],
         _MAGIC23_BITS, ROWS_FIRST=rows_first, BITS=bits, BS=block_size,
         G=tile // block_size, EVEN=numel % tile == 0, INTERPRET=_interpreting(),
-        num_warps=num_warps, maxnreg=maxnreg, enable_fp_fusion=False,
+        **_launch_options(num_warps, maxnreg),
     )
     return out
 
@@ -774,7 +784,7 @@ def dequantize_reduce(
             OUT_BITS=out_bits or 0, OUT_QMAX_F=float(QMAX[out_bits or 8]), OUT_BS=out_block_size,
             TILE=tile, EVEN=numel % tile == 0, INTERPRET=_interpreting(), FAST=fast,
             STOCHASTIC=stochastic, OFF64=max(data.numel() // 4, scales.numel()) >= _OFF32_LIMIT,
-            num_warps=num_warps, maxnreg=maxnreg, enable_fp_fusion=False,
+            **_launch_options(num_warps, maxnreg),
         )
     if out_bits is None:
         return out
