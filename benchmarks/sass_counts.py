@@ -57,8 +57,7 @@ def _count(fn, sig, consts, out_dir, name, warps=WARPS, maxnreg=MAXNREG):
              and a != "magic_bits"}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "maxnreg": maxnreg,
-                                "enable_fp_fusion": False})
+                       options=tk._launch_options(warps, maxnreg))
     cubin = os.path.join(out_dir, name + ".cubin")
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])
